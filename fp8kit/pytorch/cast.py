@@ -1,0 +1,140 @@
+"""The FP8 cast and the scale rules, as pure functions on tensors.
+
+One convention everywhere: `q = saturate(float32(x) * scale)` rounded to nearest even, `x ~= q * scale_inv`,
+`scale_inv = float32(1 / scale)`.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+from ..recipe import FLT_MAX
+from .tensor import FP8_DTYPES, Float8Tensor
+
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+_DTYPE_OF_NAME = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def fp8_dtype_of(name: str) -> torch.dtype:
+    """The torch dtype for a recipe format name ("e4m3" or "e5m2")."""
+    return _DTYPE_OF_NAME[name]
+
+
+def amax(x: torch.Tensor) -> torch.Tensor:
+    """`max |x|` over the non-NaN elements as a 0-d float32 tensor (0 for an empty or all-NaN tensor)."""
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x)
+    a = torch.maximum(hi, -lo).float()  # NaN if x holds a NaN
+    if x.device.type == "cpu":
+        if not torch.isnan(a):
+            return a
+        return torch.where(torch.isnan(x), 0, x.abs()).amax().float()
+    # On accelerators avoid a host sync: compute the NaN-free amax too and pick.
+    return torch.where(torch.isnan(a), torch.where(torch.isnan(x), 0, x.abs()).amax().float(), a)
+
+
+def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
+    """Clear the 23 mantissa bits of positive float32 scales; a subnormal scale (which would become 0) is kept."""
+    rounded = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return torch.where(rounded == 0, scale, rounded)
+
+
+def scale_from_amax(
+    amax_value: torch.Tensor, scaled_max: float, fallback: torch.Tensor, power_2: bool = False
+) -> torch.Tensor:
+    """`scaled_max / amax` in float32 where amax is finite and > 0, else `fallback`; an infinite result
+    becomes FLT_MAX; optionally rounded down to a power of two. Works elementwise on any shape."""
+    numerator = torch.full_like(amax_value, scaled_max)
+    scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)
+    scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
+    if power_2:
+        scale = round_down_pow2(scale)
+    ok = torch.isfinite(amax_value) & (amax_value > 0)
+    return torch.where(ok, scale, fallback)
+
+
+def current_scale(
+    x: torch.Tensor,
+    fp8_max: float,
+    amax_epsilon: float = 0.0,
+    power_2: bool = False,
+    group=None,
+) -> torch.Tensor:
+    """The current-scaling scale of `x` (SPEC section 3), with the amax all-reduced (MAX) over `group` if given."""
+    a = amax(x)
+    if group is not None:
+        import torch.distributed as dist
+
+        dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
+    if amax_epsilon > 0:
+        a = torch.clamp_min(a, amax_epsilon)
+    return scale_from_amax(a, fp8_max, torch.ones_like(a), power_2)
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element."""
+    fp8_max = FP8_MAX[fp8_dtype]
+    # x.float() first: a 0-d float32 scale would not promote a bf16 tensor to float32.
+    y = x.float() * scale if x.dtype != torch.float32 else x * scale
+    return y.clamp_(-fp8_max, fp8_max).to(fp8_dtype)  # clamp keeps NaN
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8Tensor:
+    """Quantize with a known float32 scale (no validation; the hot path)."""
+    return Float8Tensor(cast_to_fp8(x, scale, fp8_dtype), torch.reciprocal(scale.reshape(())), x.dtype)
+
+
+def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"quantize: expected a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point() or x.dtype in FP8_DTYPES:
+        raise TypeError(f"quantize: input must be a float32/bfloat16/float16 tensor, got dtype {x.dtype}")
+    if fp8_dtype not in FP8_DTYPES:
+        raise TypeError(f"quantize: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+
+
+def _checked_scale(scale: Union[torch.Tensor, float], device: torch.device) -> torch.Tensor:
+    if isinstance(scale, torch.Tensor):
+        if scale.numel() != 1 or not (scale.is_floating_point()):
+            raise TypeError(
+                f"quantize: scale must be a float or a floating tensor with one element, got dtype {scale.dtype} "
+                f"and shape {tuple(scale.shape)}"
+            )
+        s = scale.detach().reshape(()).to(device=device, dtype=torch.float32)
+    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        s = torch.tensor(float(scale), dtype=torch.float32, device=device)
+    else:
+        raise TypeError(f"quantize: scale must be a float or a tensor, got {type(scale).__name__}")
+    value = float(s)
+    if not (value > 0 and value != float("inf")):
+        raise ValueError(f"quantize: scale must be finite and > 0 as float32, got {value!r} (from {scale!r})")
+    return s
+
+
+def quantize(
+    x: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    scale: Optional[Union[torch.Tensor, float]] = None,
+    *,
+    amax_epsilon: float = 0.0,
+    power_2_scale: bool = False,
+) -> Float8Tensor:
+    """Quantize `x` (float32, bfloat16 or float16, any shape, CPU or CUDA) to FP8.
+
+    With `scale` (a float or a one-element floating tensor, finite and > 0 in float32) cast as SPEC section 1.
+    Without it, apply current scaling (SPEC section 3): `scale = fp8_max / max(amax(x), amax_epsilon)`,
+    1 when that amax is 0, inf or NaN, optionally rounded down to a power of two.
+    Returns a Float8Tensor whose `.data` has x's shape and `.scale_inv` is one float32 element.
+    """
+    _check_input(x, fp8_dtype)
+    if scale is None:
+        eps = float(amax_epsilon)
+        if not (eps >= 0 and eps != float("inf")):
+            raise ValueError(f"quantize: amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
+        s = current_scale(x.detach(), FP8_MAX[fp8_dtype], eps, bool(power_2_scale))
+    else:
+        s = _checked_scale(scale, x.device)
+    return cast(x.detach(), s, fp8_dtype)

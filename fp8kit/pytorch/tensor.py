@@ -1,0 +1,60 @@
+"""Float8Tensor: FP8 bytes plus the float32 scale_inv that maps them back to real values."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+class Float8Tensor:
+    """A quantized tensor: `real ~= data.float() * scale_inv`.
+
+    Attributes:
+      data: the FP8 values, dtype `torch.float8_e4m3fn` or `torch.float8_e5m2`, any shape.
+      scale_inv: float32 tensor with one element (0-d), `float32(1 / scale)` taken at cast time.
+      dtype: the nominal high-precision dtype the tensor stands for (what `dequantize()` returns by default
+        in modules; `dequantize()` itself defaults to float32).
+    """
+
+    __slots__ = ("data", "scale_inv", "dtype")
+
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: Optional[torch.dtype] = None):
+        if data.dtype not in FP8_DTYPES:
+            raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
+        if scale_inv.dtype != torch.float32 or scale_inv.numel() != 1:
+            raise TypeError(
+                f"Float8Tensor scale_inv must be one float32 element, got {scale_inv.dtype} of shape "
+                f"{tuple(scale_inv.shape)}"
+            )
+        self.data = data
+        self.scale_inv = scale_inv
+        self.dtype = dtype if dtype is not None else torch.float32
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """`float32(data) * scale_inv`, then converted to `dtype`."""
+        return (self.data.float() * self.scale_inv).to(dtype)
+
+    def t(self) -> "Float8Tensor":
+        """The transpose of a 2-D tensor; the bytes are moved exactly, the scale is shared."""
+        return Float8Tensor(self.data.t(), self.scale_inv, self.dtype)
+
+    def __repr__(self) -> str:
+        return (
+            f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={self.fp8_dtype}, "
+            f"scale_inv={self.scale_inv.item():.6g}, dtype={self.dtype})"
+        )

@@ -1,0 +1,137 @@
+"""Independent reference for fp8kit's numerics, written with NumPy and ml_dtypes only.
+
+Nothing here imports torch or jax: the frontends are checked against these functions, bit for bit.
+Conventions (SPEC sections 1, 3 and 5): q = saturate(float32(x) * scale) rounded to nearest even in FP8;
+scale_inv = float32(1 / scale); amax ignores NaN.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import ml_dtypes
+import numpy as np
+
+FP8 = {
+    "e4m3": (ml_dtypes.float8_e4m3fn, 448.0),
+    "e5m2": (ml_dtypes.float8_e5m2, 57344.0),
+}
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+
+
+def amax(x: np.ndarray) -> np.float32:
+    """max |x| over non-NaN elements, as float32; 0 for an empty or all-NaN array."""
+    a = np.abs(np.asarray(x, dtype=np.float32)).ravel()
+    a = a[~np.isnan(a)]
+    return np.float32(a.max()) if a.size else np.float32(0.0)
+
+
+def cast(x: np.ndarray, fmt: str, scale: float) -> tuple[np.ndarray, np.float32]:
+    """Quantize: returns (FP8 bytes as uint8 with x's shape, scale_inv)."""
+    dtype, fp8_max = FP8[fmt]
+    s = np.float32(scale)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = np.asarray(x, dtype=np.float32) * s
+    y = np.where(np.isnan(y), y, np.clip(y, -fp8_max, fp8_max)).astype(np.float32)
+    q = y.astype(dtype)  # ml_dtypes rounds to nearest even
+    return q.view(np.uint8), np.float32(np.float32(1.0) / s)
+
+
+def dequantize(q_bytes: np.ndarray, fmt: str, scale_inv: float) -> np.ndarray:
+    dtype, _ = FP8[fmt]
+    return q_bytes.view(dtype).astype(np.float32) * np.float32(scale_inv)
+
+
+def round_down_pow2(scale: np.float32) -> np.float32:
+    """Clear the 23 mantissa bits (keep a subnormal value unchanged, so a scale never becomes 0)."""
+    bits = np.array(scale, dtype=np.float32).view(np.uint32) & np.uint32(0xFF800000)
+    out = bits.view(np.float32)[()]
+    return np.float32(scale) if out == 0 else np.float32(out)
+
+
+def current_scale(amax_value: float, fp8_max: float, epsilon: float = 0.0, power_2: bool = False) -> np.float32:
+    """SPEC section 3: the scale current scaling uses for a tensor with this amax."""
+    a = max(np.float32(amax_value), np.float32(epsilon))
+    if a == 0 or not np.isfinite(a):
+        return np.float32(1.0)
+    with np.errstate(over="ignore", divide="ignore"):
+        s = np.float32(fp8_max) / np.float32(a)
+    if np.isinf(s):
+        s = FLT_MAX
+    return round_down_pow2(s) if power_2 else np.float32(s)
+
+
+def current_cast(x: np.ndarray, fmt: str, epsilon: float = 0.0, power_2: bool = False):
+    scale = current_scale(amax(x), FP8[fmt][1], epsilon, power_2)
+    return cast(x, fmt, scale)
+
+
+class DelayedState:
+    """SPEC sections 4 and 5 for one `[L, n]` history, one column at a time, in float32 scalars."""
+
+    def __init__(self, length: int, n: int, fp8_max: float, margin: int = 0, algo="max", scale_algo=None,
+                 interval: int = 1, power_2: bool = False):
+        self.history = np.zeros((length, n), dtype=np.float32)
+        self.scale = np.ones(n, dtype=np.float32)
+        self.fp8_max, self.margin, self.algo, self.scale_algo = fp8_max, margin, algo, scale_algo
+        self.interval, self.power_2, self.updates = interval, power_2, 0
+
+    def record(self, slot: int, value: float) -> None:
+        """A cast of a tensor with this amax: max-accumulate into the staging row."""
+        self.history[0, slot] = max(self.history[0, slot], np.float32(value))
+
+    def _rolled(self, col: np.ndarray) -> np.ndarray:
+        if len(col) == 1:
+            return np.zeros(1, dtype=np.float32)
+        return np.concatenate([[0.0], col[2:], [col[0]]]).astype(np.float32)
+
+    def _new_scale(self, a: np.float32, old: np.float32) -> np.float32:
+        scaled_max = np.float32(self.fp8_max * 2.0 ** (-self.margin))
+        if not (np.isfinite(a) and a > 0):
+            return old
+        with np.errstate(over="ignore", divide="ignore"):
+            s = np.float32(scaled_max / np.float32(a))
+        if np.isinf(s):
+            s = FLT_MAX
+        return round_down_pow2(s) if self.power_2 else s
+
+    def update(self, reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> None:
+        """One update; `reduce` maps the staging row to the reduced one (max over ranks)."""
+        if reduce is not None:
+            self.history[0] = reduce(self.history[0].copy())
+        recompute = self.updates % self.interval == 0
+        self.updates += 1
+        if callable(self.algo) or self.scale_algo is not None:
+            self._update_callable(recompute)
+            return
+        for j in range(self.history.shape[1]):
+            col = self.history[:, j]
+            last = col[0]
+            if last == 0:
+                continue
+            if self.algo == "most_recent":
+                a = last
+            else:
+                vals = np.append(col[1:], last)
+                vals = vals[~np.isnan(vals)]
+                a = np.float32(vals.max()) if vals.size else np.float32(np.nan)
+            if recompute:
+                self.scale[j] = self._new_scale(a, self.scale[j])
+            self.history[:, j] = self._rolled(col)
+
+    def _update_callable(self, recompute: bool) -> None:
+        h = self.history
+        if callable(self.algo):
+            a = np.asarray(self.algo(h.copy()), dtype=np.float32)
+        elif self.algo == "most_recent":
+            a = h[0].copy()
+        else:
+            a = np.fmax.reduce(h, axis=0).astype(np.float32)
+        for j in range(h.shape[1]):
+            h[:, j] = self._rolled(h[:, j])
+        if not recompute:
+            return
+        if self.scale_algo is not None:
+            self.scale = np.asarray(self.scale_algo(a, self.scale.copy(), self.fp8_max, None), dtype=np.float32)
+        else:
+            self.scale = np.array([self._new_scale(a[j], self.scale[j]) for j in range(len(a))], dtype=np.float32)
