@@ -1,0 +1,196 @@
+"""The autocast context: a context-local stack of frames, the registry of delayed-scaling states it owns, and
+when the batched updates run (SPEC section 6).
+
+- A module registers its forward and backward states on its first FP8 (or calibrating) forward, under the key
+  `(recipe, amax_reduction_group)`.
+- Forward states of every key used in a step are updated when the outermost autocast exits, if grad is enabled.
+- Backward states are updated once the backward of every FP8 module call of that step has run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+
+from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .state import ScalingState, update_states
+
+__all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states"]
+
+
+class _KeyStates:
+    """The states registered under one registry key, in registration order (held weakly)."""
+
+    def __init__(self, recipe: DelayedScaling, group):
+        self.recipe = recipe
+        self.group = group
+        self.forward: List[weakref.ref] = []
+        self.backward: List[weakref.ref] = []
+
+    def live(self, which: str, key) -> List[ScalingState]:
+        refs = getattr(self, which)
+        states = [s for s in (r() for r in refs) if s is not None and s.key == key]
+        if len(states) != len(refs):  # drop states of deleted or re-registered modules
+            setattr(self, which, [weakref.ref(s) for s in states])
+        return states
+
+
+# The registry: (recipe, group) -> states. Keys compare every recipe field (frozen dataclasses).
+_REGISTRY: Dict[Tuple[Recipe, object], _KeyStates] = {}
+
+
+class _Step:
+    """One outermost autocast scope: the keys it touched and the FP8 backwards still to run."""
+
+    def __init__(self):
+        self.forward_keys: Dict[tuple, None] = {}
+        self.backward_keys: Dict[tuple, None] = {}
+        self.pending_backward = 0
+        self.lock = threading.Lock()
+
+    def forward_called(self, key, needs_backward: bool) -> None:
+        self.forward_keys[key] = None
+        if needs_backward:
+            with self.lock:
+                self.pending_backward += 1
+                self.backward_keys[key] = None
+
+    def backward_done(self) -> None:
+        with self.lock:
+            if self.pending_backward <= 0:
+                return
+            self.pending_backward -= 1
+            run = self.pending_backward == 0
+            keys = list(self.backward_keys)
+            if run:
+                self.backward_keys = {}
+        if run:
+            for key in keys:
+                _update_key(key, "backward")
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One entry of the autocast stack."""
+
+    enabled: bool
+    calibrating: bool
+    recipe: Recipe
+    group: object
+    step: _Step = field(compare=False)
+
+    @property
+    def key(self) -> tuple:
+        return (self.recipe, self.group)
+
+    @property
+    def records_amax(self) -> bool:
+        """True when modules must record amaxes into delayed-scaling state (FP8 or calibration)."""
+        return isinstance(self.recipe, DelayedScaling) and (self.enabled or self.calibrating)
+
+
+_STACK: contextvars.ContextVar[Tuple[Frame, ...]] = contextvars.ContextVar("fp8kit_autocast_stack", default=())
+
+
+def current_frame() -> Optional[Frame]:
+    """The innermost autocast frame, or None outside any autocast."""
+    stack = _STACK.get()
+    return stack[-1] if stack else None
+
+
+def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> None:
+    """Register a module's states under the frame's key (moving them from another key if needed)."""
+    key = frame.key
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        entry = _REGISTRY[key] = _KeyStates(frame.recipe, frame.group)
+    for state, which in ((forward, "forward"), (backward, "backward")):
+        if state.key != key:
+            state.key = key
+            getattr(entry, which).append(weakref.ref(state))
+
+
+def registry_states(recipe: Recipe, group=None) -> Tuple[List[ScalingState], List[ScalingState]]:
+    """The live (forward, backward) states registered under `(recipe, group)`."""
+    key = (recipe, group)
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        return [], []
+    return entry.live("forward", key), entry.live("backward", key)
+
+
+def _reduce_group(recipe: DelayedScaling, group):
+    if not recipe.reduce_amax:
+        return None
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return True if group is None else group
+
+
+def _update_key(key, which: str) -> None:
+    entry = _REGISTRY.get(key)
+    if entry is None:
+        return
+    states = entry.live(which, key)
+    recipe = entry.recipe
+    fmt = recipe.fp8_format.value
+    fp8_max = fmt.max_fwd if which == "forward" else fmt.max_bwd
+    update_states(states, recipe, fp8_max, _reduce_group(recipe, entry.group))
+
+
+def _check_recipe(recipe) -> Recipe:
+    if recipe is None:
+        return DelayedScaling()
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(
+            f"autocast: recipe must be a fp8kit.recipe.DelayedScaling or Float8CurrentScaling, got {recipe!r}"
+        )
+    return recipe
+
+
+@contextlib.contextmanager
+def autocast(
+    enabled: bool = True,
+    calibrating: bool = False,
+    recipe: Optional[Recipe] = None,
+    amax_reduction_group=None,
+) -> Iterator[None]:
+    """Run fp8kit modules in FP8 inside this context.
+
+    enabled: False runs modules in high precision.
+    calibrating: with enabled=False, compute in high precision but record amaxes and update delayed-scaling
+      histories and scales as an FP8 run would.
+    recipe: DelayedScaling (the default when None) or Float8CurrentScaling.
+    amax_reduction_group: torch.distributed group over which amaxes are all-reduced (MAX).
+
+    Contexts nest; an inner one may change `enabled` or the recipe for its scope. Forward updates run when the
+    outermost context exits (if grad is enabled then); backward updates run after the step's FP8 backwards.
+    """
+    if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
+        raise TypeError(f"autocast: enabled and calibrating must be bools, got {enabled!r} and {calibrating!r}")
+    recipe = _check_recipe(recipe)
+    stack = _STACK.get()
+    step = stack[0].step if stack else _Step()
+    frame = Frame(enabled, calibrating, recipe, amax_reduction_group, step)
+    token = _STACK.set(stack + (frame,))
+    try:
+        yield
+    finally:
+        _STACK.reset(token)
+    if not stack and torch.is_grad_enabled():
+        for key in step.forward_keys:
+            _update_key(key, "forward")
+
+
+def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,
+                 fp8_group=None):
+    """The older name of `autocast`, with Transformer Engine's older argument names."""
+    return autocast(enabled=enabled, calibrating=calibrating, recipe=fp8_recipe, amax_reduction_group=fp8_group)
