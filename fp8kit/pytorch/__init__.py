@@ -3,7 +3,10 @@
 
 from .autocast import autocast, fp8_autocast
 from .cast import quantize
+from .convert import convert_model
 from .modules import Linear
+from .stats import disable_stats, enable_stats, format_stats, reset_stats, stats, stats_to_csv
 from .tensor import Float8Tensor
 
-__all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "Float8Tensor"]
+__all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "Float8Tensor", "convert_model",
+           "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats"]

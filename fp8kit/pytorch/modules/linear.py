@@ -119,6 +119,7 @@ class Linear(FP8StateMixin, torch.nn.Linear):
                                  dtype=params_dtype if params_dtype is not None else dtype)
         self._init_fp8_meta(num_gemms=1)
         self._weight_fp8: Optional[Float8Tensor] = None
+        self.fp8_stats = None  # a fp8kit.pytorch.stats.ModuleStats while fp8kit.pytorch.enable_stats is on
 
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """`inp` `[..., in_features]`. `is_first_microbatch`: None casts the weight at every call; True casts it
@@ -134,6 +135,8 @@ class Linear(FP8StateMixin, torch.nn.Linear):
         if x.is_cuda and any(fp8):
             check_cuda_shape(x.shape[0], self.in_features, self.out_features)
         input_q, weight_q, grad_q = self._quantizers(frame, weight.device)
+        if self.fp8_stats is not None:
+            self.fp8_stats.attach(input_q, weight_q, grad_q)
         cached = self._cached_weight(is_first_microbatch, frame.enabled, weight_q.fp8_dtype)
         needs_backward = torch.is_grad_enabled() and (
             inp.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
