@@ -1,0 +1,299 @@
+"""Time fp8kit's Linear (forward + backward) in FP8 against torch.nn.Linear in bf16 and peer libraries.
+
+Each shape (M, K, N) is `x [M, K] @ W.T [K, N]` forward, then dgrad and wgrad: 3 * 2*M*K*N FLOPs. All variants
+take bf16 operands. Variants of one shape are timed in interleaved rounds (the order rotates every round), each
+round a batch of iterations, and the reported figure is the median over rounds; ratios are taken against torch
+bf16 measured in the same rounds. CUDA times come from CUDA events, CPU times from `time.perf_counter`.
+Peers are imported lazily and skipped with a note when missing: torchao's Float8Linear (dynamic scaling; its
+emulation mode off CUDA) and Transformer Engine's Linear (CUDA only). Also measured: the quantize throughput
+(GB/s counted as bytes read once plus bytes written) and the cost of `fp8kit.pytorch.enable_stats`.
+
+On CPU fp8kit emulates the FP8 GEMMs (float32 matmuls of FP8 values), so CPU ratios measure the emulation, not
+FP8 hardware.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import fp8kit
+import fp8kit.pytorch as te
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+SHAPES = [(16, 64, 64), (1024, 512, 512), (4096, 1024, 1024)]
+QUICK_SHAPES = [(16, 64, 64), (128, 128, 128)]
+BASELINE = "torch bf16"
+
+
+class Timer:
+    """Times `fn` run `iters` times: CUDA events on a GPU, perf_counter elsewhere. Returns ms per iteration."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], None], iters: int) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / iters
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+
+
+# ---- variants: each builds a `step()` closure running forward + backward on fixed bf16 data ----------------------
+
+def _data(shape, device):
+    m, k, n = shape
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16).requires_grad_()
+    dy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
+    return x, dy
+
+
+def _torch_bf16(shape, device):
+    x, dy = _data(shape, device)
+    layer = torch.nn.Linear(shape[1], shape[2], device=device, dtype=torch.bfloat16)
+
+    def step():
+        layer(x).backward(dy)
+    return step
+
+
+def _fp8kit(recipe, with_stats: bool):
+    def build(shape, device):
+        x, dy = _data(shape, device)
+        layer = te.Linear(shape[1], shape[2], device=device, params_dtype=torch.bfloat16)
+        if with_stats:
+            te.enable_stats(layer)
+
+        def step():
+            with te.autocast(recipe=recipe):
+                y = layer(x)
+            y.backward(dy)
+        return step
+    return build
+
+
+def _torchao(shape, device):
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    x, dy = _data(shape, device)
+    model = torch.nn.Sequential(torch.nn.Linear(shape[1], shape[2], device=device, dtype=torch.bfloat16))
+    convert_to_float8_training(model, config=Float8LinearConfig(emulate=device.type != "cuda"))
+
+    def step():
+        model(x).backward(dy)
+    return step
+
+
+def _transformer_engine(shape, device):
+    if device.type != "cuda":
+        raise RuntimeError("Transformer Engine runs on CUDA only")
+    import transformer_engine.pytorch as te_nv
+    from transformer_engine.common.recipe import DelayedScaling as NvDelayed
+    from transformer_engine.common.recipe import Format as NvFormat
+
+    x, dy = _data(shape, device)
+    layer = te_nv.Linear(shape[1], shape[2], params_dtype=torch.bfloat16, device=device)
+    recipe = NvDelayed(fp8_format=NvFormat.HYBRID, amax_history_len=16, amax_compute_algo="max")
+
+    def step():
+        with te_nv.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            y = layer(x)
+        y.backward(dy)
+    return step
+
+
+CURRENT = Float8CurrentScaling(fp8_format=Format.HYBRID)
+DELAYED = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+
+VARIANTS: List[Tuple[str, Callable]] = [
+    (BASELINE, _torch_bf16),
+    ("fp8kit current", _fp8kit(CURRENT, False)),
+    ("fp8kit delayed", _fp8kit(DELAYED, False)),
+    ("fp8kit current+stats", _fp8kit(CURRENT, True)),
+    ("fp8kit delayed+stats", _fp8kit(DELAYED, True)),
+    ("torchao Float8Linear", _torchao),
+    ("transformer_engine", _transformer_engine),
+]
+STATS_PAIRS = [("fp8kit current+stats", "fp8kit current"), ("fp8kit delayed+stats", "fp8kit delayed")]
+
+
+def _build(shape, device, skipped: Dict[str, str]) -> Dict[str, Callable[[], None]]:
+    steps = {}
+    for name, builder in VARIANTS:
+        if name in skipped:
+            continue
+        try:
+            steps[name] = builder(shape, device)
+            steps[name]()  # warm up (also checks that it runs at all)
+        except ImportError as e:
+            skipped[name] = f"not importable ({e.name or e})"
+        except Exception as e:  # a peer that cannot run here: note it, keep going
+            skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
+    return steps
+
+
+def _iterations(fn, timer: Timer, target_ms: float) -> int:
+    once = timer(fn, 1)
+    return max(1, min(1000, int(target_ms / max(once, 1e-3))))
+
+
+def bench_linear(shapes, device: torch.device, rounds: int, target_ms: float) -> Tuple[List[dict], Dict[str, str]]:
+    timer = Timer(device)
+    skipped: Dict[str, str] = {}
+    rows = []
+    for shape in shapes:
+        steps = _build(shape, device, skipped)
+        names = list(steps)
+        iters = {n: _iterations(steps[n], timer, target_ms) for n in names}
+        samples: Dict[str, List[float]] = {n: [] for n in names}
+        for r in range(rounds):
+            order = names[r % len(names):] + names[:r % len(names)]
+            for n in order:
+                samples[n].append(timer(steps[n], iters[n]))
+        medians = {n: statistics.median(s) for n, s in samples.items()}
+        flops = 6.0 * shape[0] * shape[1] * shape[2]
+        for n in names:
+            rows.append({
+                "shape": list(shape), "variant": n, "median_ms": medians[n],
+                "tflops": flops / (medians[n] * 1e-3) / 1e12,
+                "vs_torch_bf16": medians[n] / medians[BASELINE] if BASELINE in medians else None,
+                "samples_ms": samples[n], "iters_per_sample": iters[n],
+            })
+        del steps
+    return rows, skipped
+
+
+def stats_cost(linear_rows: List[dict]) -> List[dict]:
+    """Time with statistics on / off for each recipe and shape (ratios of medians of the same rounds)."""
+    by = {(tuple(r["shape"]), r["variant"]): r for r in linear_rows}
+    out = []
+    for on, off in STATS_PAIRS:
+        for (shape, variant), row in by.items():
+            if variant == on and (shape, off) in by:
+                out.append({"shape": list(shape), "recipe": off.split()[-1], "off_ms": by[(shape, off)]["median_ms"],
+                            "on_ms": row["median_ms"], "ratio": row["median_ms"] / by[(shape, off)]["median_ms"]})
+    return out
+
+
+def bench_quantize(numel: int, device: torch.device, rounds: int, target_ms: float) -> List[dict]:
+    """fp8kit quantize of a bf16 vector: current scaling (amax + cast) and a known scale (cast only)."""
+    timer = Timer(device)
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    scale = torch.tensor(64.0, device=device)
+    cases = {
+        "current scaling (amax + cast)": lambda: te.quantize(x, torch.float8_e4m3fn),
+        "known scale (cast only)": lambda: te.quantize(x, torch.float8_e4m3fn, scale),
+    }
+    moved = numel * (x.element_size() + 1)  # bf16 read once, FP8 written
+    rows = []
+    iters = {n: _iterations(f, timer, target_ms) for n, f in cases.items()}
+    samples = {n: [] for n in cases}
+    for _ in range(rounds):
+        for n, f in cases.items():
+            samples[n].append(timer(f, iters[n]))
+    for n, s in samples.items():
+        ms = statistics.median(s)
+        rows.append({"case": n, "numel": numel, "median_ms": ms, "gb_per_s": moved / (ms * 1e-3) / 1e9})
+    return rows
+
+
+def format_report(report: dict) -> str:
+    lines = [f"fp8kit {report['fp8kit_version']} bench on {report['device']} ({report['device_name']}), "
+             f"torch {report['torch_version']}, median of {report['rounds']} interleaved rounds"]
+    if report["device"] == "cpu":
+        lines.append("CPU: fp8kit's FP8 GEMMs are emulated (float32 matmuls of FP8 values)")
+    lines += ["", "Linear forward+backward, bf16 operands",
+              f"{'shape MxKxN':<16} {'variant':<22} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8}"]
+    for r in report["linear"]:
+        shape = "x".join(map(str, r["shape"]))
+        ratio = f"{r['vs_torch_bf16']:.2f}x" if r["vs_torch_bf16"] is not None else "-"
+        lines.append(f"{shape:<16} {r['variant']:<22} {r['median_ms']:>9.3f} {r['tflops']:>8.3f} {ratio:>8}")
+    for name, why in report["skipped"].items():
+        lines.append(f"skipped {name}: {why}")
+    lines += ["", "Statistics (enable_stats) cost: time with / time without",
+              f"{'shape MxKxN':<16} {'recipe':<8} {'off ms':>9} {'on ms':>9} {'ratio':>7}"]
+    for r in report["stats_cost"]:
+        lines.append(f"{'x'.join(map(str, r['shape'])):<16} {r['recipe']:<8} {r['off_ms']:>9.3f} {r['on_ms']:>9.3f} "
+                     f"{r['ratio']:>6.2f}x")
+    lines += ["", "Quantize a bf16 vector to E4M3 (GB/s = (2 + 1) bytes per element / time)"]
+    for r in report["quantize"]:
+        lines.append(f"{r['case']:<30} {r['numel']:>11,} elements {r['median_ms']:>9.3f} ms {r['gb_per_s']:>8.2f} GB/s")
+    return "\n".join(lines)
+
+
+def run_bench(device: str = "auto", quick: bool = False, rounds: Optional[int] = None,
+              shapes: Optional[List[Tuple[int, int, int]]] = None) -> dict:
+    """Run all the measurements; returns the report dict (what `--json` writes)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    rounds = rounds or (3 if quick else 9)
+    target_ms = 2.0 if quick else 40.0
+    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    linear, skipped = bench_linear(shapes, dev, rounds, target_ms)
+    numel = (1 << 16) if quick else ((1 << 26) if dev.type == "cuda" else (1 << 22))
+    return {
+        "fp8kit_version": fp8kit.__version__,
+        "torch_version": torch.__version__,
+        "device": dev.type,
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{torch.get_num_threads()} threads",
+        "rounds": rounds,
+        "quick": quick,
+        "linear": linear,
+        "skipped": skipped,
+        "stats_cost": stats_cost(linear),
+        "quantize": bench_quantize(numel, dev, rounds, target_ms),
+    }
+
+
+def _positive_int(text: str) -> int:
+    from fp8kit.cli import _positive_int as parse
+
+    return parse(text)
+
+
+def _shape(text: str) -> Tuple[int, int, int]:
+    try:
+        m, k, n = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MxKxN (e.g. 4096x1024x1024), got {text!r}") from None
+    if min(m, k, n) < 1:
+        raise argparse.ArgumentTypeError(f"dimensions must be positive, got {text!r}")
+    return m, k, n
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", help="two small shapes, few rounds (seconds; for tests)")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
+    parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    parser.add_argument("--rounds", type=_positive_int, help="interleaved rounds per shape (default 9, --quick 3)")
+    parser.add_argument("--shape", type=_shape, action="append", dest="shapes", metavar="MxKxN",
+                        help="a shape to time instead of the defaults (repeatable)")
+    parser.set_defaults(run=_run, subparser=parser)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from fp8kit.cli import device_argument
+
+    report = run_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes)
+    print(format_report(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return 0

@@ -1,0 +1,160 @@
+"""The `fp8kit` command (also `python -m fp8kit`): `fp8kit demo`, `fp8kit bench`.
+
+Every subcommand has `--help`. Bad arguments print one line, `fp8kit <command>: error: ...`, and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+import fp8kit
+
+PRESETS = {
+    # Finishes the three default runs in about two minutes on a 2-core CPU (see docs/demo.md).
+    "tiny": dict(n_layer=4, n_embd=128, n_head=4, block_size=64, batch_size=32, steps=300, lr=2e-3),
+    # nanoGPT's Shakespeare-character model: for a GPU.
+    "small": dict(n_layer=6, n_embd=384, n_head=6, block_size=256, batch_size=64, steps=2000, lr=1e-3),
+}
+RECIPE_NAMES = ("bf16", "current", "delayed")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a one-line error message (no usage dump) and exit status 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _recipe_list(text: str) -> List[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in RECIPE_NAMES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"expected a comma list of {', '.join(RECIPE_NAMES)}, got {text!r}")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"a recipe is listed twice in {text!r}")
+    return names
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fp8kit", description="FP8 training with Transformer Engine's per-tensor recipes.")
+    parser.add_argument("--version", action="version", version=f"fp8kit {fp8kit.__version__}")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    demo = commands.add_parser(
+        "demo", help="train a small GPT in bf16 and in FP8 (current, delayed scaling) and compare",
+        description="Train a character-level GPT (fp8kit Linear layers) on the Python standard library's source, "
+                    "once per precision with the same seed, initial weights and data order; print a table of "
+                    "losses and throughput and write results.json, loss.png, delayed_scaling.png and FP8 "
+                    "statistics CSVs into --out.")
+    demo.add_argument("--steps", type=_positive_int, help="training steps per run (default: the preset's)")
+    demo.add_argument("--recipes", type=_recipe_list, default=list(RECIPE_NAMES),
+                      help="comma list of bf16,current,delayed (default: all three)")
+    demo.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
+    demo.add_argument("--out", default="./fp8kit-demo", help="output directory (default: ./fp8kit-demo)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
+    demo.add_argument("--size", choices=sorted(PRESETS), default="tiny",
+                      help="model preset: tiny (CPU, default) or small (GPU); the options below override it")
+    for name, help_text in (("--n-layer", "transformer blocks"), ("--n-embd", "embedding width"),
+                            ("--n-head", "attention heads"), ("--block-size", "context length"),
+                            ("--batch-size", "sequences per step")):
+        demo.add_argument(name, type=_positive_int, help=f"{help_text} (default: the preset's)")
+    demo.add_argument("--lr", type=_positive_float, help="peak learning rate (default: the preset's)")
+    demo.add_argument("--eval-interval", type=_positive_int, default=50,
+                      help="steps between validation losses (default: 50)")
+    demo.add_argument("--corpus", help="a text file, or a directory whose *.py files are read "
+                                       "(default: the standard library of this Python)")
+    demo.add_argument("--max-chars", type=_positive_int, default=1_000_000,
+                      help="corpus size cap in characters (default: 1000000)")
+    demo.add_argument("--no-stats", action="store_true", help="do not record FP8 numerics statistics")
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.set_defaults(run=_run_demo, subparser=demo)
+
+    from fp8kit import bench
+
+    bench.add_arguments(commands.add_parser(
+        "bench", help="time Linear forward+backward in FP8 against bf16 and peers; quantize throughput",
+        description=bench.__doc__.split("\n\n")[0]))
+    return parser
+
+
+def device_argument(parser: argparse.ArgumentParser, text: str) -> str:
+    """`--device` as a torch device string ("auto" resolved); a bad or unavailable device is a usage error."""
+    import torch
+
+    if text == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        parser.error(f"argument --device: unknown device {text!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: expected auto, cpu or cuda[:N], got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"argument --device: {text} requested but CUDA is not available")
+    return str(device)
+
+
+def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from fp8kit.demo import GPTConfig, TrainConfig, load_corpus, run_demo
+
+    preset = dict(PRESETS[args.size])
+    for key in ("n_layer", "n_embd", "n_head", "block_size", "batch_size", "steps", "lr"):
+        if getattr(args, key) is not None:
+            preset[key] = getattr(args, key)
+    device = device_argument(parser, args.device)
+    try:
+        model = GPTConfig(n_layer=preset["n_layer"], n_embd=preset["n_embd"], n_head=preset["n_head"],
+                          block_size=preset["block_size"])
+    except ValueError as e:
+        parser.error(str(e))
+    fp8 = [r for r in args.recipes if r != "bf16"]
+    if device.startswith("cuda") and fp8 and (model.n_embd % 16 or (preset["batch_size"] * model.block_size) % 8):
+        parser.error("FP8 GEMMs on CUDA need --n-embd a multiple of 16 and batch-size x block-size a multiple of 8")
+    cfg = TrainConfig(model=model, steps=preset["steps"], batch_size=preset["batch_size"], lr=preset["lr"],
+                      eval_interval=min(args.eval_interval, preset["steps"]), seed=args.seed, device=device,
+                      stats=not args.no_stats)
+    try:
+        corpus = load_corpus(max_chars=args.max_chars, path=args.corpus)
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --corpus: {e}")
+    if corpus.val.numel() <= model.block_size + 1:
+        parser.error(f"the corpus ({corpus.chars} characters) is too small for --block-size {model.block_size}")
+    try:
+        run_demo(cfg, args.recipes, args.out, corpus=corpus, progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: the finished runs are in {args.out}/results.json", file=sys.stderr)
+        return 130
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args, args.subparser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
