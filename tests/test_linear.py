@@ -374,3 +374,25 @@ def test_cuda_linear_matches_cpu_state_and_float64(recipe):
     if isinstance(recipe, DelayedScaling):
         for name in ("scaling_fwd", "scaling_bwd"):
             assert torch.equal(cpu.fp8_meta[name].scale, gpu.fp8_meta[name].scale.cpu())
+
+
+def test_saved_bytes_at_most_055_of_nn_linear_bf16():
+    def saved_bytes(module, x, ctx):
+        total = [0]
+
+        def pack(t):
+            total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+            module(x)
+        return total[0]
+
+    import contextlib
+
+    x = torch.randn(512, 256, dtype=torch.bfloat16, requires_grad=True)
+    ours = te.Linear(256, 256, params_dtype=torch.bfloat16)
+    plain = torch.nn.Linear(256, 256, dtype=torch.bfloat16)
+    for recipe in (DelayedScaling(amax_history_len=4), Float8CurrentScaling()):
+        ratio = saved_bytes(ours, x, te.autocast(recipe=recipe)) / saved_bytes(plain, x, contextlib.nullcontext())
+        assert ratio <= 0.55, ratio
