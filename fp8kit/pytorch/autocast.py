@@ -5,6 +5,10 @@ when the batched updates run (SPEC section 6).
   `(recipe, amax_reduction_group)`.
 - Forward states of every key used in a step are updated when the outermost autocast exits, if grad is enabled.
 - Backward states are updated once the backward of every FP8 module call of that step has run.
+- With amax reduction active (`reduce_amax=True` and torch.distributed initialised) every update is collective
+  (`distributed.reduced_update`): at the outermost exit, every delayed-scaling key entered in the step is updated on
+  every rank, whether or not this rank ran a module of it; backward updates are deferred to the next outermost entry
+  with grad enabled (`_PENDING_BACKWARD`), a point every rank reaches in the same order. See docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -32,17 +36,23 @@ class _KeyStates:
         self.group = group
         self.forward: List[weakref.ref] = []
         self.backward: List[weakref.ref] = []
+        self.version = 0  # bumped whenever the registered set changes (the distributed registration check)
+        self.backward_ran = False  # a step's backwards completed since the last reduced backward update
 
     def live(self, which: str, key) -> List[ScalingState]:
         refs = getattr(self, which)
         states = [s for s in (r() for r in refs) if s is not None and s.key == key]
         if len(states) != len(refs):  # drop states of deleted or re-registered modules
             setattr(self, which, [weakref.ref(s) for s in states])
+            self.version += 1
         return states
 
 
 # The registry: (recipe, group) -> states. Keys compare every recipe field (frozen dataclasses).
 _REGISTRY: Dict[Tuple[Recipe, object], _KeyStates] = {}
+
+# Keys whose reduced backward update waits for the next outermost autocast entry (insertion order = update order).
+_PENDING_BACKWARD: Dict[tuple, None] = {}
 
 
 class _Step:
@@ -51,6 +61,7 @@ class _Step:
     def __init__(self):
         self.forward_keys: Dict[tuple, None] = {}
         self.backward_keys: Dict[tuple, None] = {}
+        self.entered: Dict[tuple, None] = {}  # keys of the delayed-scaling frames entered, in order
         self.pending_backward = 0
         self.lock = threading.Lock()
 
@@ -72,7 +83,10 @@ class _Step:
                 self.backward_keys = {}
         if run:
             for key in keys:
-                _update_key(key, "backward")
+                if _reduces(key):  # collective: deferred to the next outermost entry (_run_pending_backward)
+                    _REGISTRY[key].backward_ran = True
+                else:
+                    _update_key(key, "backward")
 
 
 @dataclass(frozen=True)
@@ -114,6 +128,7 @@ def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> Non
         if state.key != key:
             state.key = key
             getattr(entry, which).append(weakref.ref(state))
+            entry.version += 1
 
 
 def registry_states(recipe: Recipe, group=None) -> Tuple[List[ScalingState], List[ScalingState]]:
@@ -133,6 +148,41 @@ def _reduce_group(recipe: DelayedScaling, group):
     if not (dist.is_available() and dist.is_initialized()):
         return None
     return True if group is None else group
+
+
+def _reduces(key) -> bool:
+    return _reduce_group(key[0], key[1]) is not None
+
+
+def _update_step(step: _Step) -> None:
+    """The forward updates at the outermost exit; collective for the keys with amax reduction."""
+    reduced = [key for key in step.entered if _reduces(key)]
+    for key in step.forward_keys:
+        if key not in reduced:
+            _update_key(key, "forward")
+    if reduced:
+        from .distributed import reduced_update
+
+        for key in reduced:
+            reduced_update(key, "forward", key in step.forward_keys)
+            _PENDING_BACKWARD[key] = None
+
+
+def _run_pending_backward() -> None:
+    """The deferred backward updates of reduced keys, in the order their steps exited (the same on every rank)."""
+    from .distributed import reduced_update
+
+    while _PENDING_BACKWARD:
+        key = next(iter(_PENDING_BACKWARD))
+        del _PENDING_BACKWARD[key]
+        entry = _REGISTRY.get(key)
+        used = entry is not None and entry.backward_ran
+        if entry is not None:
+            entry.backward_ran = False
+        if _reduces(key):
+            reduced_update(key, "backward", used)
+        elif used:  # torch.distributed was shut down meanwhile: a local update
+            _update_key(key, "backward")
 
 
 def _update_key(key, which: str) -> None:
@@ -169,25 +219,32 @@ def autocast(
     calibrating: with enabled=False, compute in high precision but record amaxes and update delayed-scaling
       histories and scales as an FP8 run would.
     recipe: DelayedScaling (the default when None) or Float8CurrentScaling.
-    amax_reduction_group: torch.distributed group over which amaxes are all-reduced (MAX).
+    amax_reduction_group: torch.distributed group over which amaxes are all-reduced (MAX) when the recipe has
+      reduce_amax=True; None means the default group once torch.distributed is initialised. Every rank of the group
+      must enter and exit the same autocast contexts in the same order (docs/distributed.md).
 
     Contexts nest; an inner one may change `enabled` or the recipe for its scope. Forward updates run when the
-    outermost context exits (if grad is enabled then); backward updates run after the step's FP8 backwards.
+    outermost context exits (if grad is enabled then); backward updates run after the step's FP8 backwards, or,
+    with amax reduction, at the next outermost entry with grad enabled (`distributed.apply_pending_updates()` runs
+    them now).
     """
     if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
         raise TypeError(f"autocast: enabled and calibrating must be bools, got {enabled!r} and {calibrating!r}")
     recipe = _check_recipe(recipe)
     stack = _STACK.get()
+    if not stack and _PENDING_BACKWARD and torch.is_grad_enabled():
+        _run_pending_backward()
     step = stack[0].step if stack else _Step()
     frame = Frame(enabled, calibrating, recipe, amax_reduction_group, step)
+    if frame.records_amax:
+        step.entered.setdefault(frame.key, None)
     token = _STACK.set(stack + (frame,))
     try:
         yield
     finally:
         _STACK.reset(token)
     if not stack and torch.is_grad_enabled():
-        for key in step.forward_keys:
-            _update_key(key, "forward")
+        _update_step(step)
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,

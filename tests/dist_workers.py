@@ -1,0 +1,823 @@
+"""Multi-process checks of fp8kit.pytorch on torch.distributed (gloo, CPU), and the launcher the tests use.
+
+`launch(world_size, checks)` starts `world_size` copies of this file (torchrun-like environment variables, a free
+port on 127.0.0.1), each running the named checks in order, and returns every rank's results. A worker stops at its
+first unexpected failure (later collectives could be misaligned); the launcher kills all workers at a hard timeout.
+
+Each check compares fp8kit against something it does not share code with: tests/reference.py fed with amaxes
+computed by the reference from the tensors themselves and max-reduced with raw torch.distributed calls, a
+single-process model holding the full weights, or float64.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import datetime
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- launcher (runs in the pytest process) -----------------------------------------------------------------------
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(world_size: int, checks, timeout: float = 90.0) -> dict:
+    """Run `checks` on `world_size` local processes. Returns {"ranks": [per-rank {check: result}], "logs": [...],
+    "seconds": wall time, "returncodes": [...]}; a result is {"ok": bool, "error": str, "seconds": float}."""
+    out = tempfile.mkdtemp(prefix="fp8kit_dist_")
+    port = _free_port()
+    procs, logs = [], []
+    start = time.time()
+    for rank in range(world_size):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
+                   RANK=str(rank), LOCAL_RANK=str(rank), FP8KIT_TEST_OUT=out, OMP_NUM_THREADS="1",
+                   PYTHONWARNINGS="ignore")
+        log = open(os.path.join(out, f"log{rank}.txt"), "w")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), ",".join(checks)], env=env,
+                                      stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(HERE)))
+    first_exit = None
+    while time.time() - start < timeout:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            break
+        if any(c not in (None, 0) for c in codes):  # one rank failed: the others get a short grace period
+            first_exit = first_exit or time.time()
+            if time.time() - first_exit > 15:
+                break
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+    for log in logs:
+        log.close()
+    ranks, texts = [], []
+    for rank in range(world_size):
+        path = os.path.join(out, f"result{rank}.json")
+        ranks.append(json.load(open(path)) if os.path.exists(path) else {})
+        texts.append(open(os.path.join(out, f"log{rank}.txt")).read())
+    shutil.rmtree(out, ignore_errors=True)
+    return {"ranks": ranks, "logs": texts, "seconds": time.time() - start,
+            "returncodes": [p.returncode for p in procs]}
+
+
+def check_result(run: dict, check: str) -> None:
+    """Assert that every rank ran `check` successfully, with the workers' output in the message if not."""
+    problems = []
+    for rank, results in enumerate(run["ranks"]):
+        res = results.get(check)
+        if res is None:
+            problems.append(f"rank {rank}: no result (return code {run['returncodes'][rank]})\n"
+                            + run["logs"][rank][-3000:])
+        elif not res["ok"]:
+            problems.append(f"rank {rank}: {res['error']}")
+    assert not problems, f"check {check!r} failed:\n" + "\n".join(problems)
+
+
+# ---- worker side ------------------------------------------------------------------------------------------------
+
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+
+import numpy as np  # noqa: E402
+import reference as ref  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from linear_helpers import np32, sqnr_db  # noqa: E402
+
+import fp8kit.pytorch as te  # noqa: E402
+from fp8kit.pytorch import distributed as fdist  # noqa: E402
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+RANK = int(os.environ.get("RANK", 0))
+WORLD = int(os.environ.get("WORLD_SIZE", 1))
+E4M3, E5M2 = 448.0, 57344.0
+
+
+def all_rows(values) -> np.ndarray:
+    """Every rank's float32 vector `values`, stacked `[world, n]` (raw torch.distributed, not fp8kit)."""
+    t = torch.as_tensor(np.asarray(values, dtype=np.float32))
+    parts = [torch.empty_like(t) for _ in range(WORLD)]
+    dist.all_gather(parts, t)
+    return torch.stack(parts).numpy()
+
+
+def global_max(values) -> np.ndarray:
+    return all_rows(values).max(axis=0)
+
+
+def assert_same_on_all_ranks(tensors, what: str) -> None:
+    for i, t in enumerate(tensors):
+        rows = all_rows(np32(t).ravel())
+        for r in range(1, WORLD):
+            assert np.array_equal(rows[0], rows[r], equal_nan=True), f"{what}[{i}] differs between rank 0 and {r}"
+
+
+class Recorder:
+    """Wraps torch.distributed collectives and records (name, dtype, numel, tensor copy) while `active`."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_single", "all_gather_into_tensor", "reduce_scatter_single",
+             "reduce_scatter_tensor", "broadcast")
+
+    def __init__(self):
+        self.events, self.active, self.saved = [], False, {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self.saved[name] = fn
+
+            def wrapper(*args, _fn=fn, _name=name, **kwargs):
+                result = _fn(*args, **kwargs)
+                if self.active:
+                    first = args[0]
+                    t = first[0] if isinstance(first, list) else first
+                    self.events.append((_name, t.dtype, t.numel(), t.detach().clone()))
+                return result
+            setattr(dist, name, wrapper)
+        return self
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+    def take(self):
+        events, self.events = self.events, []
+        return events
+
+
+def names(events):
+    return [e[0] for e in events]
+
+
+def state_np(layer, which):
+    s = layer.fp8_meta[which]
+    return np32(s.amax_history), np32(s.scale)
+
+
+def assert_state_equals_ref(layer, which, ref_state, what):
+    hist, scale = state_np(layer, which)
+    assert np.array_equal(hist, ref_state.history), f"{what} {which} history\n{hist}\n!=\n{ref_state.history}"
+    assert np.array_equal(scale, ref_state.scale), f"{what} {which} scale {scale} != {ref_state.scale}"
+
+
+class RefModule:
+    """The reference rule for one Linear: forward [input, weight, output] and backward [grad_output, grad_input]
+    states, updated with the staging row max-reduced over the ranks."""
+
+    def __init__(self, length, margin=0):
+        self.fwd = ref.DelayedState(length, 3, E4M3, margin=margin)
+        self.bwd = ref.DelayedState(length, 2, E5M2, margin=margin)
+
+
+def reduce_over_ranks(row):
+    return global_max(row)
+
+
+# ---- check: amax reduction equals the reference, one all-reduce per key and update ------------------------------
+
+def check_amax_reduction():
+    recipe = DelayedScaling(amax_history_len=4, margin=1)
+    torch.manual_seed(0)  # the same weights on every rank
+    l1, l2 = te.Linear(16, 32), te.Linear(32, 16)
+    refs = [RefModule(4, margin=1), RefModule(4, margin=1)]
+    gen = torch.Generator().manual_seed(100 + RANK)  # different data on every rank
+    with Recorder() as rec:
+        for step in range(5):
+            x = torch.randn(8, 16, generator=gen) * (1 + step + 3 * RANK)
+            g = torch.randn(8, 16, generator=gen) * (2 + RANK)
+            captured = {}
+            rec.active = True
+            with te.autocast(recipe=recipe):
+                entry = rec.take()
+                if step > 0:  # the deferred backward update of the previous step ran at this entry
+                    for layer, r in zip((l1, l2), refs):
+                        assert_state_equals_ref(layer, "scaling_bwd", r.bwd, f"step {step} entry")
+                y1 = l1(x)
+                h = torch.relu(y1)
+                y2 = l2(h)
+                body = rec.take()
+            exit_ = rec.take()
+            rec.active = False
+            y1.register_hook(lambda d: captured.__setitem__("dy1", d))
+            y2.register_hook(lambda d: captured.__setitem__("dy2", d))
+            # collectives: none in the body; one all-reduce per key at the exit and at the next entry, except
+            # when registration changed (the first update of each pass adds the fingerprint exchange)
+            assert body == [], f"collectives inside the autocast body: {names(body)}"
+            if step == 0:
+                assert names(exit_) == ["all_reduce", "all_gather", "all_gather", "all_reduce"], names(exit_)
+                assert entry == []
+            else:
+                assert names(exit_) == ["all_reduce"] and exit_[0][2] == 4 + 6, exit_
+                want = ["all_reduce", "all_gather", "all_gather", "all_reduce"] if step == 1 else ["all_reduce"]
+                assert names(entry) == want, names(entry)
+                assert entry[-1][2] == (4 if step > 1 else 0) + 4, entry[-1][2]
+            # the reference, fed with the amaxes of the tensors themselves, max-reduced over the ranks
+            for r, inp, layer in ((refs[0], x, l1), (refs[1], h, l2)):
+                r.fwd.record(0, ref.amax(np32(inp)))
+                r.fwd.record(1, ref.amax(np32(layer.weight)))
+                r.fwd.update(reduce=reduce_over_ranks)
+            for layer, r in zip((l1, l2), refs):
+                assert_state_equals_ref(layer, "scaling_fwd", r.fwd, f"step {step} exit")
+            (y2 * g).sum().backward()
+            refs[0].bwd.record(0, ref.amax(np32(captured["dy1"])))
+            refs[1].bwd.record(0, ref.amax(np32(captured["dy2"])))
+            for r in refs:
+                r.bwd.update(reduce=reduce_over_ranks)
+            # backward states: this rank's amax staged, not reduced or rolled yet (that is collective, at the
+            # next outermost entry)
+            assert np32(l2.fp8_meta["scaling_bwd"].amax_history)[0, 0] == ref.amax(np32(captured["dy2"]))
+    fdist.apply_pending_updates()
+    for layer, r in zip((l1, l2), refs):
+        assert_state_equals_ref(layer, "scaling_bwd", r.bwd, "after apply_pending_updates")
+    assert refs[0].fwd.scale[0] != 1 and refs[1].bwd.scale[0] != 1  # the scales really moved
+    assert_same_on_all_ranks([l1.fp8_meta["scaling_fwd"].amax_history, l2.fp8_meta["scaling_bwd"].scale],
+                             "states")
+
+
+# ---- check: modules skipped on some ranks (MoE experts without tokens) ------------------------------------------
+
+def check_moe_skip():
+    recipe = DelayedScaling(amax_history_len=3)
+    torch.manual_seed(1)
+    shared = te.Linear(16, 16)
+    experts = [te.Linear(16, 16) for _ in range(3)]
+    mods = [shared] + experts
+    refs = [RefModule(3) for _ in mods]
+    # which experts each rank runs per step (the shared layer runs unless the rank has no tokens at all)
+    plan = [
+        {0: [0, 1, 2], 1: [0, 1, 2]},  # step 0: every module on every rank (registration; rank 1 gives
+                                       # expert 2 an empty input, as docs/distributed.md suggests)
+        {0: [0, 1, 2], 1: [0, 1]},     # expert 2 only on rank 0: it rolls on both ranks
+        {0: [1], 1: [0]},              # expert 2 on no rank: it keeps history and scale everywhere
+        {0: [2], 1: None},             # rank 1 has no tokens: it runs no FP8 module, forward or backward
+        {0: [0, 1, 2], 1: [0, 1, 2]},
+    ]
+    gen = torch.Generator().manual_seed(200 + RANK)
+    for step, runs in enumerate(plan):
+        mine = runs[RANK % 2] if RANK < 2 else [0, 1, 2]
+        x = torch.randn(4, 16, generator=gen) * (1 + RANK + step)
+        grads = [torch.randn(4, 16, generator=gen) * (i + 1) for i in range(4)]
+        outs, captured = [], {}
+        with te.autocast(recipe=recipe):
+            if step > 0:
+                for mod, r in zip(mods, refs):
+                    assert_state_equals_ref(mod, "scaling_bwd", r.bwd, f"step {step} entry")
+            before = [state_np(experts[2], w) for w in ("scaling_fwd", "scaling_bwd")] if step == 2 else None
+            used = []
+            if mine is not None:
+                h = shared(x)
+                used.append((0, x))
+                for e in mine:
+                    tokens = h[:0] if (step == 0 and RANK == 1 and e == 2) else h
+                    outs.append((e + 1, experts[e](tokens)))
+                    used.append((e + 1, tokens))
+        for i, r in enumerate(refs):
+            if any(j == i for j, _ in used):
+                inp = next(t for j, t in used if j == i)
+                r.fwd.record(0, ref.amax(np32(inp)))
+                r.fwd.record(1, ref.amax(np32(mods[i].weight)))
+            r.fwd.update(reduce=reduce_over_ranks)
+            assert_state_equals_ref(mods[i], "scaling_fwd", r.fwd, f"step {step} module {i}")
+        if outs:
+            for i, y in outs:
+                y.register_hook(lambda d, i=i: captured.__setitem__(i, captured.get(i, 0) + d))
+            h.register_hook(lambda d: captured.__setitem__(0, d))
+            sum((y * grads[i][:y.shape[0]]).sum() for i, y in outs).backward()
+        for i, r in enumerate(refs):
+            if i in captured:
+                r.bwd.record(0, ref.amax(np32(captured[i])))
+            r.bwd.update(reduce=reduce_over_ranks)
+        if step == 2:
+            with te.autocast(recipe=recipe):  # runs the deferred backward update; nothing else
+                pass
+            after = [state_np(experts[2], w) for w in ("scaling_fwd", "scaling_bwd")]
+            for (h0, s0), (h1, s1) in zip(before, after):  # expert 2 ran on no rank: untouched
+                assert np.array_equal(h0, h1) and np.array_equal(s0, s1), "an expert no rank ran changed"
+    fdist.apply_pending_updates()
+    for i, (mod, r) in enumerate(zip(mods, refs)):
+        assert_state_equals_ref(mod, "scaling_bwd", r.bwd, f"final module {i}")
+    assert_same_on_all_ranks([m.fp8_meta[w].amax_history for m in mods for w in ("scaling_fwd", "scaling_bwd")],
+                             "histories")
+
+
+def current_amax(history):
+    """A callable amax_compute_algo (works on torch and NumPy): with a callable every update rolls, so an update
+    that should not happen is visible."""
+    return history[0] * 1
+
+
+def check_unused_key_keeps_state():
+    """A nested recipe whose module runs on some ranks, one rank, or none: the key updates (and, with a callable
+    algorithm, rolls) only in steps where some rank ran it; `update_count` counts exactly those steps."""
+    outer = DelayedScaling(amax_history_len=3)
+    inner = DelayedScaling(amax_history_len=3, amax_compute_algo=current_amax)
+    torch.manual_seed(2)
+    always, rare = te.Linear(16, 16), te.Linear(16, 16)
+    r_always = RefModule(3)
+    r_rare = RefModule(3)
+    r_rare.fwd = ref.DelayedState(3, 3, E4M3, algo=current_amax)
+    r_rare.bwd = ref.DelayedState(3, 2, E5M2, algo=current_amax)
+    who_runs_rare = [set(range(WORLD)), set(), {0}, set(), {1}, set()]
+    gen = torch.Generator().manual_seed(250 + RANK)
+    for step, who in enumerate(who_runs_rare):
+        x = torch.randn(4, 16, generator=gen) * (1 + RANK + step)
+        g = torch.randn(4, 16, generator=gen)
+        captured = {}
+        with te.autocast(recipe=outer):
+            y = always(x)
+            ya = y
+            with te.autocast(recipe=inner):  # entered on every rank, also where `rare` does not run
+                if RANK in who:
+                    y = rare(ya)
+        r_always.fwd.record(0, ref.amax(np32(x)))
+        r_always.fwd.record(1, ref.amax(np32(always.weight)))
+        r_always.fwd.update(reduce=reduce_over_ranks)
+        if RANK in who:
+            r_rare.fwd.record(0, ref.amax(np32(ya)))
+            r_rare.fwd.record(1, ref.amax(np32(rare.weight)))
+        if who:
+            r_rare.fwd.update(reduce=reduce_over_ranks)
+        assert_state_equals_ref(always, "scaling_fwd", r_always.fwd, f"step {step} always")
+        assert_state_equals_ref(rare, "scaling_fwd", r_rare.fwd, f"step {step} rare")
+        ya.register_hook(lambda d: captured.__setitem__("a", d))
+        if y is not ya:
+            y.register_hook(lambda d: captured.__setitem__("r", d))
+        (y * g).sum().backward()
+        r_always.bwd.record(0, ref.amax(np32(captured["a"])))
+        r_always.bwd.update(reduce=reduce_over_ranks)
+        if "r" in captured:
+            r_rare.bwd.record(0, ref.amax(np32(captured["r"])))
+        if who:
+            r_rare.bwd.update(reduce=reduce_over_ranks)
+    fdist.apply_pending_updates()
+    assert_state_equals_ref(always, "scaling_bwd", r_always.bwd, "final always")
+    assert_state_equals_ref(rare, "scaling_bwd", r_rare.bwd, "final rare")
+    steps_with_rare = sum(1 for who in who_runs_rare if who)
+    assert rare.fp8_meta["scaling_fwd"].update_count == rare.fp8_meta["scaling_bwd"].update_count == steps_with_rare
+    assert always.fp8_meta["scaling_fwd"].update_count == len(who_runs_rare)
+
+
+# ---- check: registration mismatches raise a clear error on every rank, quickly ----------------------------------
+
+def _expect_mismatch(run_steps, *needles):
+    start = time.time()
+    try:
+        run_steps()
+    except fdist.RegistrationMismatchError as e:
+        message = str(e)
+    else:
+        raise AssertionError("no RegistrationMismatchError")
+    assert time.time() - start < 10, f"the error took {time.time() - start:.1f} s"
+    for needle in needles:
+        assert needle in message, f"{needle!r} not in: {message}"
+    return message
+
+
+def check_registration_mismatch():
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(RANK))
+
+    # 1. a different number of modules: rank 1 skips a module in the first step
+    recipe = DelayedScaling(amax_history_len=5)
+    a, b = te.Linear(16, 16), te.Linear(16, 32)
+
+    def fewer():
+        with te.autocast(recipe=recipe):
+            a(x)
+            if RANK == 0:
+                b(x)
+    _expect_mismatch(fewer, "rank 0 has 2 modules, rank 1 has 1", "position 1",
+                     "Linear(in_features=16, out_features=32, bias=True) [3 slots, history 5]", "rank 1 has nothing")
+
+    # 2. the same count, different shapes at one position
+    recipe = DelayedScaling(amax_history_len=6)
+    c = te.Linear(16, 16)
+    d = te.Linear(16, 32) if RANK == 0 else te.Linear(16, 48)
+
+    def shapes():
+        with te.autocast(recipe=recipe):
+            c(x)
+            d(x)
+    _expect_mismatch(shapes, "position 1", "out_features=32", "out_features=48")
+
+    # 3. the same modules in a different order
+    recipe = DelayedScaling(amax_history_len=7)
+    e, f = te.Linear(16, 16, bias=False), te.Linear(16, 64)
+
+    def order():
+        with te.autocast(recipe=recipe):
+            for m in ((e, f) if RANK == 0 else (f, e)):
+                m(x)
+    _expect_mismatch(order, "position 0", "bias=False", "out_features=64")
+
+    # 4. a late registration: rank 1 runs a new module in the third step
+    recipe = DelayedScaling(amax_history_len=8)
+    g, h, late = te.Linear(16, 16), te.Linear(16, 16), te.Linear(16, 16)
+
+    def steps():
+        for step in range(3):
+            with te.autocast(recipe=recipe):
+                y = h(g(x.clone().requires_grad_()))
+                if step == 2 and RANK == 1:
+                    y = late(y)
+            y.sum().backward()
+    _expect_mismatch(steps, "rank 0 has 2 modules, rank 1 has 3", "position 2")
+
+    # 5. ranks in different autocast keys (different recipes): caught by the key hash, not mixed
+    keyed = te.Linear(16, 16)
+
+    def recipes():
+        with te.autocast(recipe=DelayedScaling(amax_history_len=9, margin=RANK)):
+            keyed(x)
+    _expect_mismatch(recipes, "different autocast keys")
+
+    # after all that, a well-formed step under a fresh key still works on every rank
+    recipe = DelayedScaling(amax_history_len=10)
+    with te.autocast(recipe=recipe):
+        keyed(x * (RANK + 1))
+    assert keyed.fp8_meta["scaling_fwd"].amax_history[-1, 0] == global_max([ref.amax(np32(x * (RANK + 1)))])[0]
+
+
+# ---- check: tensor-parallel Linear against a single-process model holding the full weights ----------------------
+
+def _tp_case(mode, sp, recipe, dtype=torch.float32, steps=3):
+    """Returns the worst SQNR (dB) of TP vs single-process over outputs and gradients, and the recorded gathers."""
+    tp_group = dist.group.WORLD
+    torch.manual_seed(5)
+    s, b, h_in, h_out = 8, 2, 32, 64
+    full = te.Linear(h_in, h_out, params_dtype=dtype)
+    tp = te.Linear(h_in, h_out, params_dtype=dtype, parallel_mode=mode, tp_group=tp_group, sequence_parallel=sp)
+    fdist.shard_linear_parameters(tp, full.weight, full.bias)
+    local_recipe = dataclasses.replace(recipe, reduce_amax=False) if isinstance(recipe, DelayedScaling) else recipe
+    worst, gathers = 1e9, []
+    out_shard = slice(RANK * h_out // WORLD, (RANK + 1) * h_out // WORLD)
+    in_shard = slice(RANK * h_in // WORLD, (RANK + 1) * h_in // WORLD)
+    seq_shard = slice(RANK * s // WORLD, (RANK + 1) * s // WORLD)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(300 + step)  # the same full tensors on every rank
+        x = (torch.randn(s, b, h_in, generator=gen) * (1 + step)).to(dtype)
+        g = (torch.randn(s, b, h_out, generator=gen) * (1 + 2 * step)).to(dtype)
+        xf = x.clone().requires_grad_()
+        with te.autocast(recipe=local_recipe):
+            yf = full(xf)
+        yf.backward(g)
+        if mode == "column":
+            x_in = x[seq_shard] if sp else x
+            g_out, y_want = g[..., out_shard], yf[..., out_shard]
+            dx_want = xf.grad[seq_shard] if sp else xf.grad
+            dw_want, db_want = full.weight.grad[out_shard], full.bias.grad[out_shard]
+        else:
+            x_in = x[..., in_shard]
+            g_out, y_want = (g[seq_shard], yf[seq_shard]) if sp else (g, yf)
+            dx_want = xf.grad[..., in_shard]
+            dw_want, db_want = full.weight.grad[:, in_shard], full.bias.grad
+        xt = x_in.clone().requires_grad_()
+        scales = [float(tp.fp8_meta[w].scale[0]) for w in ("scaling_fwd", "scaling_bwd")] \
+            if tp.fp8_meta["scaling_fwd"] is not None else [1.0, 1.0]
+        with Recorder() as rec:
+            rec.active = True
+            with te.autocast(recipe=recipe):
+                yt = tp(xt)
+            fwd_events = rec.take()
+            yt.backward(g_out)
+            bwd_events = rec.take()
+        gathers.append((x, g, scales, fwd_events, bwd_events))
+        exact = x.double() @ full.weight.detach().double().T + full.bias.detach().double()
+        exact = exact[..., out_shard] if mode == "column" else (exact[seq_shard] if sp else exact)
+        assert sqnr_db(exact.numpy(), np32(yt)) < 50, "the output looks high precision, not FP8"
+        for got, want, what in ((yt, y_want, "y"), (xt.grad, dx_want, "dx"), (tp.weight.grad, dw_want, "dW"),
+                                (tp.bias.grad, db_want, "db")):
+            assert got.shape == want.shape, f"{what}: shape {tuple(got.shape)} != {tuple(want.shape)}"
+            worst = min(worst, sqnr_db(np32(want), np32(got)))
+        full.weight.grad = full.bias.grad = tp.weight.grad = tp.bias.grad = None
+        if isinstance(recipe, DelayedScaling):
+            fdist.apply_pending_updates()
+            for w in ("scaling_fwd", "scaling_bwd"):  # amax reduction over TP = the full tensors' amaxes
+                hf, sf = state_np(full, w)
+                ht, st = state_np(tp, w)
+                assert np.array_equal(hf, ht) and np.array_equal(sf, st), f"{mode} sp={sp} {w}: {ht} != {hf}"
+    return worst, gathers
+
+
+def _fp8_gathers(events):
+    return [e for e in events if e[0] in ("all_gather_single", "all_gather_into_tensor")]
+
+
+def _tp_high_precision_case(mode, sp):
+    """Outside autocast a tensor-parallel layer runs the same collectives around float32 GEMMs."""
+    torch.manual_seed(6)
+    full = te.Linear(32, 64)
+    tp = te.Linear(32, 64, parallel_mode=mode, tp_group=dist.group.WORLD, sequence_parallel=sp)
+    fdist.shard_linear_parameters(tp, full.weight, full.bias)
+    x = torch.randn(8, 2, 32, dtype=torch.float64)
+    w, b = full.weight.detach().double(), full.bias.detach().double()
+    want = x @ w.T + b
+    parts = {"column": (slice(None), slice(RANK * 32, RANK * 32 + 32), slice(None)),
+             "row": (slice(None), slice(None), slice(RANK * 16, RANK * 16 + 16))}[mode]
+    seq = slice(RANK * 4, RANK * 4 + 4)
+    x_in = x[parts[0], :, parts[2]]
+    if mode == "column" and sp:
+        x_in = x[seq]
+    got = tp(x_in.float())
+    want = want[..., parts[1]]
+    if mode == "row" and sp:
+        want = want[seq]
+    assert got.shape == want.shape and sqnr_db(want.numpy(), np32(got)) >= 120, (mode, sp)
+
+
+def check_tp_linear():
+    layer = te.Linear(32, 64, parallel_mode="column", tp_group=dist.group.WORLD, sequence_parallel=True)
+    clone = copy.deepcopy(layer)  # e.g. an EMA copy: the process group is shared, not copied
+    assert clone.tp_group is layer.tp_group and clone.weight.shape == (32, 32) and clone.in_features == 32
+    try:  # delayed scaling without amax reduction cannot share the scale the FP8 all-gather needs
+        with te.autocast(recipe=DelayedScaling(reduce_amax=False)):
+            layer(torch.randn(4, 2, 32))
+    except ValueError as e:
+        assert "same scale on every tensor-parallel rank" in str(e), str(e)
+    else:
+        raise AssertionError("no error for sequence parallelism without amax reduction")
+    for mode in ("column", "row"):
+        for sp in (False, True):
+            _tp_high_precision_case(mode, sp)
+            for recipe in (DelayedScaling(amax_history_len=4), Float8CurrentScaling()):
+                worst, runs = _tp_case(mode, sp, recipe)
+                # the contract is 30 dB; both sides cast the same FP8 bytes, so only float32 summation order differs
+                assert worst >= 80, f"{mode} sp={sp} {type(recipe).__name__}: SQNR {worst:.1f} dB vs single-process"
+                for x, g, (fwd_scale, bwd_scale), fwd, bwd in runs:
+                    gathered_fwd, gathered_bwd = _fp8_gathers(fwd), _fp8_gathers(bwd)
+                    if not sp:
+                        assert gathered_fwd == gathered_bwd == []
+                        continue
+                    # the gather moved FP8 bytes: uint8, one byte per element of the full tensor
+                    full_t, gathered, fmt, fp8_max, scale = (x, gathered_fwd, "e4m3", E4M3, fwd_scale) \
+                        if mode == "column" else (g, gathered_bwd, "e5m2", E5M2, bwd_scale)
+                    assert len(gathered) == 1 and gathered[0][1] == torch.uint8, [e[:3] for e in gathered]
+                    assert gathered[0][2] == full_t.numel(), (gathered[0][2], full_t.numel())
+                    if isinstance(recipe, Float8CurrentScaling):
+                        scale = ref.current_scale(ref.amax(np32(full_t)), fp8_max)
+                        events = fwd if mode == "column" else bwd
+                        first = names(events).index(gathered[0][0])
+                        assert "all_reduce" in names(events)[:first], "no amax all-reduce before the FP8 gather"
+                    want, _ = ref.cast(np32(full_t).reshape(-1, full_t.shape[-1]), fmt, scale)
+                    assert np.array_equal(gathered[0][3].numpy(), want), "gathered bytes != reference cast"
+
+
+def check_tp_mlp_bf16():
+    """Column (SP) -> GELU -> row (SP) in bfloat16 with SGD steps, against the same block on one process."""
+    recipe = DelayedScaling(amax_history_len=8)
+    local_recipe = DelayedScaling(amax_history_len=8, reduce_amax=False)
+    torch.manual_seed(7)
+    s, b, h, f = 16, 2, 32, 64
+    full = [te.Linear(h, f, params_dtype=torch.bfloat16), te.Linear(f, h, params_dtype=torch.bfloat16)]
+    tp = [te.Linear(h, f, params_dtype=torch.bfloat16, parallel_mode="column", tp_group=dist.group.WORLD,
+                    sequence_parallel=True),
+          te.Linear(f, h, params_dtype=torch.bfloat16, parallel_mode="row", tp_group=dist.group.WORLD,
+                    sequence_parallel=True)]
+    for ft, tt in zip(full, tp):
+        fdist.shard_linear_parameters(tt, ft.weight, ft.bias)
+    opt_full = torch.optim.SGD([p for m in full for p in m.parameters()], lr=0.05)
+    opt_tp = torch.optim.SGD([p for m in tp for p in m.parameters()], lr=0.05)
+    seq = slice(RANK * s // WORLD, (RANK + 1) * s // WORLD)
+    with Recorder() as rec:
+        for step in range(3):
+            gen = torch.Generator().manual_seed(400 + step)
+            x = torch.randn(s, b, h, generator=gen).to(torch.bfloat16)
+            g = torch.randn(s, b, h, generator=gen).to(torch.bfloat16)
+            with te.autocast(recipe=local_recipe):
+                yf = full[1](torch.nn.functional.gelu(full[0](x)))
+            yf.backward(g)
+            rec.active = True
+            with te.autocast(recipe=recipe):
+                yt = tp[1](torch.nn.functional.gelu(tp[0](x[seq])))
+            gathers = _fp8_gathers(rec.take())
+            rec.active = False
+            assert yt.shape == (s // WORLD, b, h) and yt.dtype == torch.bfloat16
+            assert [(e[1], e[2]) for e in gathers] == [(torch.uint8, s * b * h)], [e[:3] for e in gathers]
+            # half the bytes of gathering the bfloat16 input
+            assert gathers[0][2] * 1 == x.numel() * x.element_size() // 2
+            yt.backward(g[seq])
+            assert sqnr_db(np32(yf[seq]), np32(yt)) >= 30, sqnr_db(np32(yf[seq]), np32(yt))
+            shards = [(full[0].weight.grad.chunk(WORLD, 0)[RANK], tp[0].weight.grad),
+                      (full[1].weight.grad.chunk(WORLD, 1)[RANK], tp[1].weight.grad),
+                      (full[1].bias.grad, tp[1].bias.grad)]
+            for want, got in shards:
+                assert sqnr_db(np32(want), np32(got)) >= 30, sqnr_db(np32(want), np32(got))
+            opt_full.step(), opt_tp.step(), opt_full.zero_grad(), opt_tp.zero_grad()
+    assert_same_on_all_ranks([m.fp8_meta[w].scale for m in tp for w in ("scaling_fwd", "scaling_bwd")], "scales")
+    assert_same_on_all_ranks([tp[1].bias], "row-parallel bias")
+
+
+# ---- check: DistributedDataParallel ----------------------------------------------------------------------------
+
+def _mlp(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(te.Linear(32, 64), torch.nn.ReLU(), te.Linear(64, 32))
+
+
+def check_ddp():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    recipe = DelayedScaling(amax_history_len=8)
+    model = DDP(_mlp(11))
+    single = _mlp(11)  # the same model on one process, fed with every rank's batch
+    start = [p.detach().clone() for p in single.parameters()]
+    local_recipe = DelayedScaling(amax_history_len=8, reduce_amax=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
+    for step in range(4):
+        batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(500 + 10 * step + r)) * (1 + r)
+                   for r in range(WORLD)]
+        with te.autocast(recipe=recipe):
+            loss = model(batches[RANK]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with te.autocast(recipe=local_recipe):
+            loss_single = single(torch.cat(batches)).square().mean()
+        loss_single.backward()
+        opt_single.step()
+        opt_single.zero_grad()
+    fdist.apply_pending_updates()
+    inner = model.module
+    states = [inner[i].fp8_meta[w].amax_history for i in (0, 2) for w in ("scaling_fwd", "scaling_bwd")] + \
+        [inner[i].fp8_meta[w].scale for i in (0, 2) for w in ("scaling_fwd", "scaling_bwd")]
+    assert_same_on_all_ranks(list(inner.parameters()) + states, "DDP weights and FP8 states")
+    for p, q, p0 in zip(inner.parameters(), single.parameters(), start):  # the updates agree
+        assert sqnr_db(np32(q - p0), np32(p - p0)) >= 40, sqnr_db(np32(q - p0), np32(p - p0))
+    for i in (0, 2):  # the forward amaxes are the whole batch's
+        hf, _ = state_np(single[i], "scaling_fwd")
+        hd, _ = state_np(inner[i], "scaling_fwd")
+        np.testing.assert_allclose(hd, hf, rtol=1e-4)
+
+
+def check_ddp_unused_expert():
+    """DDP(find_unused_parameters=True) with an expert that one rank skips: DDP's collectives in backward and
+    fp8kit's deferred updates do not interleave badly (no hang), and everything stays identical across ranks."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    class Experts(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = te.Linear(16, 16)
+            self.experts = torch.nn.ModuleList([te.Linear(16, 16), te.Linear(16, 16)])
+
+        def forward(self, x, skip=None):
+            h = self.gate(x)
+            return sum(e(h) for i, e in enumerate(self.experts) if i != skip)
+
+    torch.manual_seed(12)
+    net = Experts()
+    model = DDP(net, find_unused_parameters=True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    recipe = DelayedScaling(amax_history_len=4)
+    for step in range(4):
+        x = torch.randn(4, 16, generator=torch.Generator().manual_seed(600 + 10 * step + RANK))
+        skip = 1 if (step % 2 == 1 and RANK == 1) else None
+        with te.autocast(recipe=recipe):
+            out = model(x, skip=skip)
+        out.square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    fdist.apply_pending_updates()
+    mods = [net.gate, *net.experts]
+    assert_same_on_all_ranks(list(net.parameters()) + [m.fp8_meta[w].amax_history for m in mods
+                                                       for w in ("scaling_fwd", "scaling_bwd")], "DDP+MoE")
+    assert float(net.experts[1].fp8_meta["scaling_bwd"].scale[0]) != 1.0
+
+
+# ---- check: FSDP2 (fully_shard) --------------------------------------------------------------------------------
+
+def check_fsdp2():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (WORLD,))
+    model = _mlp(21)
+    single = _mlp(21)
+    start = [p.detach().clone() for p in single.parameters()]
+    for layer in (model[0], model[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    assert model[0].weight.to_local().shape == (64 // WORLD, 32)  # really sharded
+    recipe = DelayedScaling(amax_history_len=8)
+    local_recipe = DelayedScaling(amax_history_len=8, reduce_amax=False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
+    for step in range(3):
+        batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(700 + 10 * step + r)) * (1 + r)
+                   for r in range(WORLD)]
+        with te.autocast(recipe=recipe):
+            loss = model(batches[RANK]).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with te.autocast(recipe=local_recipe):
+            loss_single = single(torch.cat(batches)).square().mean()
+        loss_single.backward()
+        opt_single.step()
+        opt_single.zero_grad()
+    fdist.apply_pending_updates()
+    for p, q, p0 in zip(model.parameters(), single.parameters(), start):  # the updates agree
+        full_p = p.full_tensor()
+        assert sqnr_db(np32(q - p0), np32(full_p - p0)) >= 40, sqnr_db(np32(q - p0), np32(full_p - p0))
+    states = [model[i].fp8_meta[w].amax_history for i in (0, 2) for w in ("scaling_fwd", "scaling_bwd")]
+    assert_same_on_all_ranks(states, "FSDP2 FP8 states")
+    assert any(k.endswith("fp8_meta.scaling_fwd.amax_history") for k in model.state_dict())
+
+
+def check_tp_dp_4_ranks():
+    """4 ranks: tensor parallel 2 (groups {0,1} and {2,3}) x data parallel 2, amax reduced over all 4 ranks."""
+    tp_ranks = [[0, 1], [2, 3]]
+    groups = [dist.new_group(r) for r in tp_ranks]
+    tp_group = groups[RANK // 2]
+    torch.manual_seed(31)
+    s, b, h, f = 8, 2, 32, 64
+    full = [te.Linear(h, f), te.Linear(f, h)]
+    tp = [te.Linear(h, f, parallel_mode="column", tp_group=tp_group, sequence_parallel=True),
+          te.Linear(f, h, parallel_mode="row", tp_group=tp_group, sequence_parallel=True)]
+    for ft, tt in zip(full, tp):
+        fdist.shard_linear_parameters(tt, ft.weight, ft.bias)
+    tp_rank, dp_rank = RANK % 2, RANK // 2
+    recipe = DelayedScaling(amax_history_len=4)
+    local = DelayedScaling(amax_history_len=4, reduce_amax=False)
+    seq = slice(tp_rank * s // 2, (tp_rank + 1) * s // 2)
+    for step in range(3):
+        xs = [torch.randn(s, b, h, generator=torch.Generator().manual_seed(800 + 10 * step + d)) * (1 + d)
+              for d in range(2)]
+        with te.autocast(recipe=recipe):
+            yt = tp[1](torch.relu(tp[0](xs[dp_rank][seq])))
+        yt.sum().backward()
+        with te.autocast(recipe=local):  # the single-process twin sees both data-parallel batches
+            yf = full[1](torch.relu(full[0](torch.cat(xs, dim=1))))
+        yf.sum().backward()
+        want = yf[:, dp_rank * b:(dp_rank + 1) * b][seq]
+        assert sqnr_db(np32(want), np32(yt)) >= 30
+    fdist.apply_pending_updates()
+    for ft, tt in zip(full, tp):  # amaxes reduced over TP x DP = the whole tensors' (up to GEMM rounding)
+        for w in ("scaling_fwd", "scaling_bwd"):
+            hf, sf = state_np(ft, w)
+            ht, st = state_np(tt, w)
+            np.testing.assert_allclose(ht, hf, rtol=1e-5)
+            np.testing.assert_allclose(st, sf, rtol=1e-5)
+    assert_same_on_all_ranks([tt.fp8_meta[w].scale for tt in tp for w in ("scaling_fwd", "scaling_bwd")], "scales")
+
+
+def check_examples_script():
+    """examples/distributed.py runs (its main function) on these ranks."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(HERE), "examples", "distributed.py")
+    spec = importlib.util.spec_from_file_location("fp8kit_example_distributed", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    mod.main(steps=2)
+
+
+# ---- worker main ------------------------------------------------------------------------------------------------
+
+def _worker(checks):
+    out = os.environ["FP8KIT_TEST_OUT"]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=30))
+    results = {}
+    path = os.path.join(out, f"result{RANK}.json")
+    failed = False
+    for name in checks:
+        dist.barrier()
+        start = time.time()
+        try:
+            globals()[f"check_{name}"]()
+            results[name] = {"ok": True, "error": "", "seconds": time.time() - start}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc(), "seconds": time.time() - start}
+            failed = True
+        with open(path + ".tmp", "w") as fh:
+            json.dump(results, fh)
+        os.replace(path + ".tmp", path)
+        if failed:  # later collectives could be misaligned: stop here
+            break
+    if not failed:
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    _worker([c for c in sys.argv[1].split(",") if c])
