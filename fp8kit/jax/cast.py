@@ -14,6 +14,7 @@ built with integer division. On GPU (no flushing) these paths give the same valu
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Optional, Union
 
 import jax
@@ -305,7 +306,14 @@ def quantize(
         eps = float(amax_epsilon)
         if not (eps >= 0 and eps != float("inf")):
             raise ValueError(f"quantize: amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
-        s = current_scale(x, FP8_MAX[fp8], eps, bool(power_2_scale))
-    else:
-        s = _checked_scale(scale)
-    return cast(x, s, fp8)
+        return _quantize_current(x, fp8, eps, bool(power_2_scale))
+    return _cast_jit(x, _checked_scale(scale), fp8)
+
+
+# one executable per shape when called eagerly, instead of one per primitive
+_cast_jit = jax.jit(cast, static_argnums=2)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _quantize_current(x: jax.Array, fp8_dtype, amax_epsilon: float, power_2: bool) -> Float8Array:
+    return cast(x, current_scale(x, FP8_MAX[fp8_dtype], amax_epsilon, power_2), fp8_dtype)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import weakref
 from typing import Iterator, List, Optional, Tuple
 
 from jax import lax
@@ -61,35 +62,78 @@ class _Frame:
     mesh_resource: MeshResource
 
 
-class _TokenRegistry:
-    """Per trace, the latest token of each delayed-scaling state (keyed by the identity of its scale leaf), so that
-    every use of one state in one trace joins one chain and the state gets ONE cotangent (see dense.py)."""
+def _trace_stack() -> Optional[List[object]]:
+    """The current trace and its parents (the traces that are still running), or None if this JAX does not expose
+    them (jax._src.core.trace_ctx is internal; only used to forget the tokens of finished traces)."""
+    try:
+        from jax._src.core import trace_ctx
 
-    max_traces = 16
+        trace = trace_ctx.trace
+    except Exception:  # pragma: no cover - a JAX without this internal
+        return None
+    stack = []
+    while trace is not None:
+        stack.append(trace)
+        trace = getattr(trace, "parent_trace", None)
+    return stack
+
+
+class _Table(dict):
+    """id(x_scale tracer) -> (weakref to it, token); a dict that can be weakly referenced."""
+
+
+def _forget(table_ref: weakref.ref, key: int) -> None:
+    table = table_ref()
+    if table is not None:
+        table.pop(key, None)
+
+
+class _TokenRegistry:
+    """The latest token of each delayed-scaling state in each running trace, so that every use of one state in one
+    trace joins one chain and the state gets ONE cotangent (see dense.py).
+
+    A table per trace, keyed by the identity of the state's `x_scale` value (a tracer: every use in a trace sees the
+    same object). Tables of traces that have finished (no longer on the trace stack) are dropped at the next use, and
+    an entry goes as soon as its `x_scale` tracer is garbage collected; the registry dies with the outermost
+    autocast.
+    """
+
+    max_tables = 64  # only used when the trace stack cannot be read
 
     def __init__(self) -> None:
-        self._traces: List[Tuple[object, dict]] = []
+        self._tables: List[Tuple[object, _Table]] = []
 
-    def _table(self, create: bool) -> Optional[dict]:
-        state = get_opaque_trace_state()
-        for i, (other, table) in enumerate(self._traces):
-            if other == state:
-                if i != len(self._traces) - 1:
-                    self._traces.append(self._traces.pop(i))
+    def _table(self, create: bool) -> Optional[_Table]:
+        stack = _trace_stack()
+        if stack is None:  # fall back to JAX's opaque trace state and a bounded number of tables
+            key = get_opaque_trace_state()
+            match = [table for other, table in self._tables if other == key]
+            if match or not create:
+                return match[0] if match else None
+            self._tables = self._tables[-(self.max_tables - 1):] + [(key, _Table())]
+            return self._tables[-1][1]
+        running = {id(t) for t in stack}
+        self._tables = [(ref, table) for ref, table in self._tables
+                        if isinstance(ref, weakref.ref) and ref() is not None and id(ref()) in running]
+        for ref, table in self._tables:
+            if ref() is stack[0]:
                 return table
         if not create:
             return None
-        self._traces.append((state, {}))
-        del self._traces[: -self.max_traces]
-        return self._traces[-1][1]
+        self._tables.append((weakref.ref(stack[0]), _Table()))
+        return self._tables[-1][1]
 
     def get(self, leaf: object) -> Optional[object]:
         table = self._table(create=False)
         entry = None if table is None else table.get(id(leaf))
-        return entry[1] if entry is not None and entry[0] is leaf else None
+        return entry[1] if entry is not None and entry[0]() is leaf else None
 
     def put(self, leaf: object, token: object) -> None:
-        self._table(create=True)[id(leaf)] = (leaf, token)
+        table = self._table(create=True)
+        key = id(leaf)
+        if key not in table or table[key][0]() is not leaf:
+            weakref.finalize(leaf, _forget, weakref.ref(table), key)
+        table[key] = (weakref.ref(leaf), token)
 
 
 _STACK: contextvars.ContextVar[Tuple[_Frame, ...]] = contextvars.ContextVar("fp8kit_jax_autocast", default=())
@@ -195,3 +239,9 @@ def bound_amax_axes() -> Tuple[str, ...]:
             continue
         out.append(name)
     return tuple(out)
+
+
+def pipeline_axis() -> Optional[str]:
+    """The pipeline-parallel axis of the current autocast's MeshResource (never reduced over), or None."""
+    frame = current_frame()
+    return None if frame is None else frame.mesh_resource.pp_resource

@@ -92,12 +92,12 @@ def _fp8_dense_fwd(cfg: _Config, x, kernel, bias, scales, token):
         y = y + bias.astype(F32)
     hp_x = x if cfg.high_precision[2] else None
     hp_k = kernel if cfg.high_precision[1] else None
-    residuals = (qx, qk, hp_x, hp_k, x_amax, k_amax, g_scale)
+    residuals = (qx, qk, hp_x, hp_k, x_amax, k_amax, g_scale, scales)
     return (y.astype(cfg.x_dtype), token), residuals
 
 
 def _fp8_dense_bwd(cfg: _Config, residuals, cotangents):
-    qx, qk, hp_x, hp_k, x_amax, k_amax, g_scale = residuals
+    qx, qk, hp_x, hp_k, x_amax, k_amax, g_scale, scales = residuals
     dy, token_ct = cotangents
     g_amax = amax(dy, cfg.axis_names)
     if not cfg.delayed:
@@ -107,7 +107,7 @@ def _fp8_dense_bwd(cfg: _Config, residuals, cotangents):
     dk = _hp_gemm(hp_x, dy, _WGRAD) if cfg.high_precision[2] else _gemm(qx, qg, _WGRAD)
     dbias = None if cfg.bias_dtype is None else jnp.sum(dy.astype(F32), axis=0).astype(cfg.bias_dtype)
     if cfg.delayed:
-        scales_ct = jnp.zeros((3,), F32)
+        scales_ct = jnp.zeros_like(scales)
         token_ct = max_nonneg(token_ct, jnp.stack([x_amax, k_amax, g_amax]))
     else:
         scales_ct = None
@@ -115,15 +115,22 @@ def _fp8_dense_bwd(cfg: _Config, residuals, cotangents):
 
 
 _fp8_dense.defvjp(_fp8_dense_fwd, _fp8_dense_bwd)
+# one executable per layer shape when called eagerly (e.g. by `layer.init`), instead of one per primitive
+_fp8_dense_jit = jax.jit(_fp8_dense, static_argnums=0)
+
+
+def _zero_token(group) -> jax.Array:
+    # zeros shaped like the three scales, so that inside shard_map the token varies over the axes the state does
+    return jnp.zeros_like(jnp.concatenate([group[f"{t}_scale"] for t in TENSORS]))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _head(cfg: _HeadConfig, group):
-    return jnp.zeros((3,), F32)
+    return _zero_token(group)
 
 
 def _head_fwd(cfg: _HeadConfig, group):
-    return jnp.zeros((3,), F32), group
+    return _zero_token(group), group
 
 
 def _head_bwd(cfg: _HeadConfig, group, last):
@@ -132,6 +139,7 @@ def _head_bwd(cfg: _HeadConfig, group, last):
 
 
 _head.defvjp(_head_fwd, _head_bwd)
+_head_jit = jax.jit(_head, static_argnums=0)
 
 
 def _check_group(fp8_meta: Any, recipe: DelayedScaling) -> dict:
@@ -167,7 +175,36 @@ def _token(group: dict, recipe: DelayedScaling) -> jax.Array:
         token = registry.get(leaf)
         if token is not None:
             return token
-    return _head(_HeadConfig(recipe, _ac.is_deferred()), group)
+    return _head_jit(_HeadConfig(recipe, _ac.is_deferred()), group)
+
+
+def _varying_axes(a: jax.Array) -> frozenset:
+    """The manual mesh axes `a` varies over inside `shard_map` (empty elsewhere)."""
+    aval = jax.typeof(a)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return frozenset(getattr(mat, "varying", ()))
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def _same_varying_axes(*arrays):
+    """Inside `shard_map`, give the GEMM operands one set of varying axes (as `x @ k` does by itself), so that
+    JAX's transpose of that cast sums the custom_vjp's partial cotangents over the axes an operand is replicated on."""
+    axes = frozenset().union(*(_varying_axes(a) for a in arrays if a is not None))
+    out = []
+    for a in arrays:
+        missing = tuple(sorted(axes - _varying_axes(a))) if a is not None else ()
+        if missing:
+            a = lax.pcast(a, missing, to="varying") if hasattr(lax, "pcast") else lax.pvary(a, missing)
+        out.append(a)
+    return out
+
+
+def _amax_axes(operand: jax.Array) -> Tuple[str, ...]:
+    """Mesh axes to all-reduce amaxes over: inside `shard_map`, every axis the GEMM operands are sharded over and
+    every bound axis the autocast's MeshResource names, except pipeline parallelism."""
+    axes = _varying_axes(operand) | frozenset(_ac.bound_amax_axes())
+    return tuple(sorted(axes - {_ac.pipeline_axis()}))
 
 
 def dense(
@@ -188,7 +225,9 @@ def dense(
     """
     nc = int(contracting_ndim)
     if nc < 0 or nc > min(x.ndim, kernel.ndim):
-        raise ValueError(f"dense: contracting_ndim={contracting_ndim} does not fit x {x.shape} and kernel {kernel.shape}")
+        raise ValueError(
+            f"dense: contracting_ndim={contracting_ndim} does not fit x {x.shape} and kernel {kernel.shape}"
+        )
     in_shape = tuple(kernel.shape[:nc])
     if tuple(x.shape[x.ndim - nc:]) != in_shape:
         raise ValueError(f"dense: x {x.shape} and kernel {kernel.shape} do not contract over {nc} axes")
@@ -198,6 +237,7 @@ def dense(
     m, k, n = math.prod(batch), math.prod(in_shape), math.prod(out_shape)
     x2, k2 = x.reshape(m, k), kernel.reshape(k, n)
     b2 = None if bias is None else bias.reshape(n)
+    x2, k2, b2 = _same_varying_axes(x2, k2, b2)
     recipe = _ac.get_recipe()
     if recipe is None:
         y = _hp_gemm(x2, k2, _FPROP)
@@ -213,18 +253,18 @@ def dense(
         amax_epsilon=recipe.amax_epsilon if current else 0.0,
         power_2=recipe.use_power_2_scales if current else False,
         high_precision=tuple(recipe.override_linear_precision),
-        axis_names=_ac.bound_amax_axes(),
+        axis_names=_amax_axes(x2),
         x_dtype=jnp.dtype(x.dtype),
         kernel_dtype=jnp.dtype(kernel.dtype),
         bias_dtype=None if b2 is None else jnp.dtype(b2.dtype),
     )
     if current:
-        y, _ = _fp8_dense(cfg, x2, k2, b2, None, None)
+        y, _ = _fp8_dense_jit(cfg, x2, k2, b2, None, None)
     else:
         group = _check_group(fp8_meta, recipe)
         scales = lax.stop_gradient(jnp.concatenate([group[f"{t}_scale"] for t in TENSORS]).astype(F32))
         token = _token(group, recipe)
-        y, token = _fp8_dense(cfg, x2, k2, b2, scales, token)
+        y, token = _fp8_dense_jit(cfg, x2, k2, b2, scales, token)
         if isinstance(group["x_scale"], jax.core.Tracer):
             _ac.token_registry().put(group["x_scale"], token)
     return y.reshape(batch + out_shape)

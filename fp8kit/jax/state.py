@@ -16,6 +16,7 @@ Inside this module a group is a dict with the postfix removed ("x_scale", ..., "
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
@@ -180,9 +181,13 @@ def _map_groups(fn, tree: Mapping[str, Any], *others: Optional[Mapping[str, Any]
 def _keep_old_if_missing(group: Dict[str, jax.Array], old: Optional[Dict[str, jax.Array]]) -> Dict[str, jax.Array]:
     """A group that got no cotangent (its layer did not reach the loss this step) has all-zero scales, which no
     update produces; keep the old state for it."""
-    if old is None:
-        return group
-    missing = (group["x_scale"][0] == 0) & (group["kernel_scale"][0] == 0) & (group["grad_scale"][0] == 0)
+    return group if old is None else _keep_old_jit(group, old)
+
+
+@jax.jit
+def _keep_old_jit(group: Dict[str, jax.Array], old: Dict[str, jax.Array]) -> Dict[str, jax.Array]:
+    # shape (..., 1): one flag per state, also for states stacked by nn.scan / nn.vmap
+    missing = (group["x_scale"] == 0) & (group["kernel_scale"] == 0) & (group["grad_scale"] == 0)
     return {k: jnp.where(missing, old[k], v) for k, v in group.items()}
 
 
@@ -221,9 +226,18 @@ def update_fp8_metas(
         raise ValueError("update_fp8_metas: needs a DelayedScaling recipe (pass recipe= or call it inside autocast)")
 
     def finalize(group, old):
-        return _keep_old_if_missing(update_group(group, recipe), old)
+        return _keep_old_if_missing(_batched_update(recipe, group["x_scale"].ndim - 1)(group), old)
 
     return _map_groups(finalize, staged, fp8_metas)
+
+
+@functools.lru_cache(maxsize=64)
+def _batched_update(recipe: DelayedScaling, batch_ndim: int):
+    """`update_group` for one recipe, vmapped over the leading axes of states stacked by nn.scan / nn.vmap, jitted."""
+    update = functools.partial(update_group, recipe=recipe)
+    for _ in range(batch_ndim):
+        update = jax.vmap(update)
+    return jax.jit(update)
 
 
 def accumulate_grads(acc: Optional[Mapping[str, Any]], grads: Mapping[str, Any]) -> Dict[str, Any]:

@@ -9,6 +9,7 @@ fp8kit/jax/state.py); it is created when the layer is initialized inside an enab
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Optional, Sequence, Tuple, Union
 
 import flax.linen as nn
@@ -42,13 +43,24 @@ def _with_axes(init: Initializer, axes: Tuple) -> Initializer:
     return nn.with_logical_partitioning(init, axes) if axes else init
 
 
+def _kernel_init(init: Optional[Initializer], in_ndim: int) -> Initializer:
+    """Initialize a `[*in, *out]` kernel as the 2-D `[prod(in), prod(out)]` matrix it stands for (so fan-in counts
+    every contracted axis, as in flax's DenseGeneral), then reshape."""
+    init = init or _default_kernel_init
+
+    def flat(key, shape, dtype=jnp.float32):
+        rows = math.prod(shape[:in_ndim])
+        return jnp.reshape(init(key, (rows, math.prod(shape) // max(rows, 1)), dtype), shape)
+
+    return flat
+
+
 def _fp8_group(module: nn.Module, postfix: str) -> Optional[dict]:
     """This GEMM's delayed-scaling variables (postfix removed), created at init; None unless delayed FP8 is on."""
     recipe = _ac.get_recipe()
     if not isinstance(recipe, DelayedScaling):
         return None
     names = group_names(postfix, recipe.interval > 1)
-    fresh = init_group(recipe)
     group = {}
     for key, name in names.items():
         if not module.is_initializing() and not module.has_variable(FP8_COLLECTION, name):
@@ -57,14 +69,15 @@ def _fp8_group(module: nn.Module, postfix: str) -> Optional[dict]:
                 f"state in the {FP8_COLLECTION!r} collection: initialize the layer (layer.init) inside "
                 f"te.autocast(enabled=True, recipe=DelayedScaling(...)) and pass all variables to apply"
             )
-        var = module.variable(FP8_COLLECTION, name, lambda v=fresh[key]: v)
-        if tuple(var.value.shape) != tuple(fresh[key].shape):
+        value = module.variable(FP8_COLLECTION, name, lambda k=key: init_group(recipe)[k]).value
+        shape = (recipe.amax_history_len,) if key.endswith("_amax_history") else (1,)
+        if tuple(value.shape) != shape:
             raise ValueError(
-                f"{type(module).__name__}: {FP8_COLLECTION}/{name} has shape {tuple(var.value.shape)} but the recipe "
-                f"needs {tuple(fresh[key].shape)} (amax_history_len={recipe.amax_history_len}); re-initialize, or "
-                f"resize the history (truncate or zero-pad its end)"
+                f"{type(module).__name__}: {FP8_COLLECTION}/{name} has shape {tuple(value.shape)} but the recipe "
+                f"needs {shape} (amax_history_len={recipe.amax_history_len}); re-initialize, or resize the history "
+                f"(truncate or zero-pad its end)"
             )
-        group[key] = var.value
+        group[key] = value
     return group
 
 
@@ -97,7 +110,7 @@ class DenseGeneral(nn.Module):
     def __call__(self, inputs: jax.Array) -> jax.Array:
         features = _tuple(self.features)
         axis = _normalize_axes(_tuple(self.axis), inputs.ndim)
-        kernel_init = self.kernel_init or _default_kernel_init
+        kernel_init = _kernel_init(self.kernel_init, len(axis))
         kernel_shape = tuple(inputs.shape[a] for a in axis) + features
         kernel = self.param("kernel", _with_axes(kernel_init, self.kernel_axes), kernel_shape, self.dtype)
         bias = None
@@ -163,7 +176,7 @@ class LayerNormDenseGeneral(nn.Module):
         features = _tuple(self.features)
         axis = _normalize_axes(_tuple(self.axis), y.ndim)
         kernel_shape = tuple(y.shape[a] for a in axis) + features
-        kernel_init = self.kernel_init or _default_kernel_init
+        kernel_init = _kernel_init(self.kernel_init, len(axis))
         kernel = self.param("kernel", _with_axes(kernel_init, self.kernel_axes), kernel_shape, self.dtype)
         bias = None
         if self.use_bias:
@@ -231,10 +244,10 @@ class LayerNormMLP(nn.Module):
         acts = tuple(self.activations)
         if not acts:
             raise ValueError("activations: expected at least one activation")
-        kernel_init = self.kernel_init or _default_kernel_init
         hidden_shape = tuple(y.shape[a] for a in axis)
         wi_shape = hidden_shape + (len(acts), self.intermediate_dim)
-        wi = self.param("wi_kernel", _with_axes(kernel_init, self.kernel_axes_1), wi_shape, self.dtype)
+        wi_init = _kernel_init(self.kernel_init, len(axis))
+        wi = self.param("wi_kernel", _with_axes(wi_init, self.kernel_axes_1), wi_shape, self.dtype)
         wi_bias = None
         if self.use_bias:
             wi_bias = self.param("wi_bias", _with_axes(self.bias_init, self.bias_axes_1),
@@ -249,7 +262,8 @@ class LayerNormMLP(nn.Module):
                        rng_collection=self.intermediate_dropout_rng_name)(z, deterministic=deterministic)
         out_features = hidden_shape
         wo_shape = (self.intermediate_dim,) + out_features
-        wo = self.param("wo_kernel", _with_axes(kernel_init, self.kernel_axes_2), wo_shape, self.dtype)
+        wo_init = _kernel_init(self.kernel_init, 1)
+        wo = self.param("wo_kernel", _with_axes(wo_init, self.kernel_axes_2), wo_shape, self.dtype)
         wo_bias = None
         if self.use_bias:
             wo_bias = self.param("wo_bias", _with_axes(self.bias_init, self.bias_axes_2), out_features, self.dtype)
