@@ -100,12 +100,12 @@ def _torchao(shape, device):
 
 
 def _transformer_engine(shape, device):
-    if device.type != "cuda":
-        raise RuntimeError("Transformer Engine runs on CUDA only")
     import transformer_engine.pytorch as te_nv
     from transformer_engine.common.recipe import DelayedScaling as NvDelayed
     from transformer_engine.common.recipe import Format as NvFormat
 
+    if device.type != "cuda":
+        raise RuntimeError("Transformer Engine runs on CUDA only")
     x, dy = _data(shape, device)
     layer = te_nv.Linear(shape[1], shape[2], params_dtype=torch.bfloat16, device=device)
     recipe = NvDelayed(fp8_format=NvFormat.HYBRID, amax_history_len=16, amax_compute_algo="max")
@@ -126,6 +126,8 @@ VARIANTS: List[Tuple[str, Callable]] = [
     ("fp8kit delayed", _fp8kit(DELAYED, False)),
     ("fp8kit current+stats", _fp8kit(CURRENT, True)),
     ("fp8kit delayed+stats", _fp8kit(DELAYED, True)),
+]
+PEERS: List[Tuple[str, Callable]] = [
     ("torchao Float8Linear", _torchao),
     ("transformer_engine", _transformer_engine),
 ]
@@ -134,12 +136,15 @@ STATS_PAIRS = [("fp8kit current+stats", "fp8kit current"), ("fp8kit delayed+stat
 
 def _build(shape, device, skipped: Dict[str, str]) -> Dict[str, Callable[[], None]]:
     steps = {}
-    for name, builder in VARIANTS:
+    for name, builder in VARIANTS:  # fp8kit and the baseline must run: errors propagate
+        steps[name] = builder(shape, device)
+        steps[name]()  # warm up
+    for name, builder in PEERS:
         if name in skipped:
             continue
         try:
             steps[name] = builder(shape, device)
-            steps[name]()  # warm up (also checks that it runs at all)
+            steps[name]()
         except ImportError as e:
             skipped[name] = f"not importable ({e.name or e})"
         except Exception as e:  # a peer that cannot run here: note it, keep going

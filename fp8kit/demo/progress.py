@@ -13,7 +13,7 @@ def _clock(seconds: float) -> str:
 
 
 class Progress:
-    """`update(done, **fields)` redraws `label [####.....] done/total  key value ...  eta m:ss`.
+    """`update(done, info)` redraws `label [####.....] done/total  info  elapsed<remaining`.
 
     On a terminal the line is rewritten in place (at most 10 times a second); elsewhere (a log file, a pipe) a
     line is printed at every 10 %. `enabled=False` prints nothing.
@@ -30,7 +30,7 @@ class Progress:
         self._last_decile = -1
         self._line = ""
 
-    def update(self, done: int, **fields) -> None:
+    def update(self, done: int, info: str = "") -> None:
         if not self.enabled:
             return
         now = time.perf_counter()
@@ -43,20 +43,19 @@ class Progress:
                 return
             self._last_decile = decile
         self._last_draw = now
-        self._line = self._render(done, now, fields)
+        self._line = self._render(done, now, info)
         if self.tty:
             self.stream.write("\r" + self._line + "\x1b[K")
         else:
             self.stream.write(self._line + "\n")
         self.stream.flush()
 
-    def _render(self, done: int, now: float, fields) -> str:
+    def _render(self, done: int, now: float, info: str) -> str:
         filled = self.width * done // self.total
         bar = "#" * filled + "." * (self.width - filled)
         elapsed = now - self.start
         eta = elapsed / done * (self.total - done) if done else 0.0
-        extra = "  ".join(f"{k.replace('_', ' ')} {v}" for k, v in fields.items())
-        return f"{self.label:<8} [{bar}] {done:>{len(str(self.total))}}/{self.total}  {extra}  " \
+        return f"{self.label:<8} [{bar}] {done:>{len(str(self.total))}}/{self.total}  {info}  " \
                f"{_clock(elapsed)}<{_clock(eta)}"
 
     def close(self) -> None:

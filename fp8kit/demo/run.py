@@ -46,6 +46,12 @@ def stats_summary(rows: List[dict]) -> str:
     return "\n".join(lines)
 
 
+def _device_name(device: str) -> str:
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
+
+
 def _write_json(path: str, payload: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -54,13 +60,14 @@ def _write_json(path: str, payload: dict) -> None:
 
 
 def run_demo(cfg: TrainConfig, recipes: List[str], out: str, corpus: Optional[Corpus] = None,
-             progress: bool = True, stream: TextIO = sys.stdout) -> dict:
+             progress: bool = True, stream: Optional[TextIO] = None) -> dict:
     """Train once per name in `recipes` and write `out/results.json` (after every run), `out/loss.png`,
     `out/delayed_scaling.png` and `out/stats_<recipe>.csv`. Returns the results dict. A KeyboardInterrupt
     propagates after the finished runs are on disk."""
     os.makedirs(out, exist_ok=True)
     if corpus is None:
         corpus = load_corpus()
+    stream = stream if stream is not None else sys.stdout
     say = lambda *a: print(*a, file=stream, flush=True)
     n_params = GPT(cfg.model).num_params()
     say(f"fp8kit demo: GPT {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd}, {cfg.model.n_head} heads, "
@@ -72,8 +79,7 @@ def run_demo(cfg: TrainConfig, recipes: List[str], out: str, corpus: Optional[Co
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
         "device": cfg.device,
-        "device_name": torch.cuda.get_device_name(cfg.device) if cfg.device.startswith("cuda") else platform.processor()
-        or platform.machine(),
+        "device_name": _device_name(cfg.device),
         "threads": torch.get_num_threads(),
         "config": cfg.as_dict(),
         "corpus": {"source": corpus.source, "files": corpus.files, "chars": corpus.chars, "sha256": corpus.sha256},

@@ -14,7 +14,7 @@ import contextlib
 import math
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -37,7 +37,7 @@ TRACKED_LAYER = "blocks.0.mlp.fc"  # whose delayed-scaling state is recorded at 
 @dataclass
 class TrainConfig:
     model: GPTConfig = field(default_factory=GPTConfig)
-    steps: int = 300
+    steps: int = 250
     batch_size: int = 32
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -163,8 +163,8 @@ def train_one(name: str, corpus: Corpus, cfg: TrainConfig, progress: bool = True
                 curves["val_loss"].append(evaluate(model, eval_val, cfg.eval_batches, device, recipe))
                 if stats_on:
                     te.reset_stats(model)  # report the training steps after the last evaluation only
-            bar.update(step + 1, loss=f"{loss_value:.3f}",
-                       tok_s=f"{tokens_per_step * (step + 1) / max(train_time, 1e-9):,.0f}")
+            bar.update(step + 1, f"loss {loss_value:.3f}  "
+                                 f"{tokens_per_step * (step + 1) / max(train_time, 1e-9):,.0f} tokens/s")
     finally:
         bar.close()
     stats_rows = te.stats(model) if stats_on else []

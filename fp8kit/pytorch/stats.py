@@ -8,8 +8,8 @@ the last reset:
   saturated   fraction of elements whose FP8 value is +-max (clipped by the saturation step, or rounded to max)
   underflow   fraction of the NON-ZERO elements of x whose FP8 value is zero (they were flushed by the cast)
 
-Everything is accumulated on the tensors' device without a host synchronization (a handful of small kernels per
-cast: one count of the non-zeros of x and two compares on the FP8 bytes); `stats()` synchronizes once when read.
+Everything is accumulated on the tensors' device without a host synchronization (per cast: a count of the non-zeros
+of x, a 256-bin histogram of the FP8 bytes and a few scalar operations); `stats()` synchronizes once per row.
 
     import fp8kit.pytorch as te
     te.enable_stats(model)            # every fp8kit module in `model` starts recording
@@ -39,7 +39,7 @@ __all__ = ["RoleStats", "ModuleStats", "enable_stats", "disable_stats", "stats",
 ROLES = ("input", "weight", "grad_output")
 STATS_COLUMNS = ("module", "role", "fp8_dtype", "casts", "numel", "amax", "scale", "saturated", "underflow")
 
-# The bit pattern of +max with the sign bit cleared: E4M3 0.1111.110 = 448, E5M2 0.11110.11 = 57344.
+# The bit pattern of +max (-max has the sign bit 0x80 set too): E4M3 0.1111.110 = 448, E5M2 0.11110.11 = 57344.
 _MAX_BITS = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
 _DTYPE_NAME = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
@@ -48,11 +48,11 @@ class RoleStats:
     """Running statistics of one tensor role of one module (see the module docstring).
 
     Device tensors (created at the first cast, on the cast's device): `amax_value` float32 0-d, `scale_value`
-    float32 0-d, `counts` int64 `[3]` = (non-zeros of x, zeros of q, saturated elements of q).
-    Python ints: `casts`, `numel`.
+    float32 0-d, `nonzero` int64 0-d (non-zero elements of the x's), `codes` int64 `[256]` (how often each FP8 bit
+    pattern was produced). Python ints: `casts`, `numel`.
     """
 
-    __slots__ = ("amax_value", "scale_value", "counts", "casts", "numel", "fp8_dtype")
+    __slots__ = ("amax_value", "scale_value", "nonzero", "codes", "casts", "numel", "fp8_dtype")
 
     def __init__(self):
         self.reset()
@@ -60,7 +60,8 @@ class RoleStats:
     def reset(self) -> None:
         self.amax_value: Optional[torch.Tensor] = None
         self.scale_value: Optional[torch.Tensor] = None
-        self.counts: Optional[torch.Tensor] = None
+        self.nonzero: Optional[torch.Tensor] = None
+        self.codes: Optional[torch.Tensor] = None
         self.casts = 0
         self.numel = 0
         self.fp8_dtype: Optional[torch.dtype] = None
@@ -70,19 +71,19 @@ class RoleStats:
         """Account one cast of `x` (high precision) into `q` with the float32 `scale` (one element).
 
         `amax_value` is `amax(x)` when the caller already has it (delayed scaling computes it anyway)."""
+        if self.fp8_dtype is not None and self.fp8_dtype != q.data.dtype:
+            self.reset()  # the recipe changed the format: counts of different bit patterns do not mix
         if amax_value is None:
             amax_value = amax(x)
-        magnitude = q.data.view(torch.uint8) & 0x7F  # the sign bit cleared: -0 counts as zero, -max as max
-        counts = torch.stack([
-            torch.count_nonzero(x),
-            torch.count_nonzero(magnitude == 0),
-            torch.count_nonzero(magnitude == _MAX_BITS[q.data.dtype]),
-        ])
-        if self.counts is None or self.counts.device != counts.device:
-            self.amax_value = torch.zeros((), dtype=torch.float32, device=counts.device)
-            self.scale_value = torch.ones((), dtype=torch.float32, device=counts.device)
-            self.counts = torch.zeros(3, dtype=torch.int64, device=counts.device)
-        self.counts.add_(counts)
+        # One pass over the FP8 bytes: a histogram of the 256 bit patterns (cheaper than separate compares).
+        codes = torch.bincount(q.data.reshape(-1).view(torch.uint8), minlength=256)
+        if self.codes is None or self.codes.device != codes.device:
+            self.amax_value = torch.zeros((), dtype=torch.float32, device=codes.device)
+            self.scale_value = torch.ones((), dtype=torch.float32, device=codes.device)
+            self.nonzero = torch.zeros((), dtype=torch.int64, device=codes.device)
+            self.codes = torch.zeros(256, dtype=torch.int64, device=codes.device)
+        self.codes.add_(codes)
+        self.nonzero.add_(torch.count_nonzero(x))
         torch.fmax(self.amax_value, amax_value.float(), out=self.amax_value)
         self.scale_value.copy_(scale.reshape(()))  # a copy now: delayed scaling updates its scale in place later
         self.casts += 1
@@ -93,8 +94,12 @@ class RoleStats:
         """A dict with the STATS_COLUMNS other than `module` and `role` (None before the first cast)."""
         if self.casts == 0:
             return None
-        values = torch.cat([self.counts.double(), self.amax_value.double()[None], self.scale_value.double()[None]])
-        nonzero_x, zeros_q, saturated, amax_value, scale = values.tolist()  # one synchronization
+        top = _MAX_BITS[self.fp8_dtype]
+        picked = self.codes[[0x00, 0x80, top, top | 0x80]]  # +0, -0, +max, -max
+        values = torch.cat([picked.double(), self.nonzero.double()[None], self.amax_value.double()[None],
+                            self.scale_value.double()[None]])
+        pos_zero, neg_zero, pos_max, neg_max, nonzero_x, amax_value, scale = values.tolist()  # one synchronization
+        zeros_q, saturated = pos_zero + neg_zero, pos_max + neg_max
         nonzero_q = self.numel - zeros_q
         return {
             "fp8_dtype": _DTYPE_NAME[self.fp8_dtype],

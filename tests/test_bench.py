@@ -1,0 +1,62 @@
+"""`fp8kit bench --quick`: the report's structure and its arithmetic (ratios of the same run's medians, FLOP
+counts, GB/s); peers that are not importable are skipped with a note. No timing is asserted."""
+
+import json
+import statistics
+
+import pytest
+
+from fp8kit import bench
+from fp8kit.cli import main
+
+SHAPES = [(16, 64, 64), (32, 48, 16)]
+
+
+@pytest.fixture(scope="module")
+def report():
+    return bench.run_bench("cpu", quick=True, rounds=2, shapes=SHAPES)
+
+
+def test_linear_rows(report):
+    names = {"torch bf16", "fp8kit current", "fp8kit delayed", "fp8kit current+stats", "fp8kit delayed+stats"}
+    for shape in SHAPES:
+        rows = {r["variant"]: r for r in report["linear"] if tuple(r["shape"]) == shape}
+        assert names <= set(rows)
+        base = rows["torch bf16"]["median_ms"]
+        for r in rows.values():
+            assert len(r["samples_ms"]) == 2 and r["median_ms"] == statistics.median(r["samples_ms"])
+            assert r["vs_torch_bf16"] == r["median_ms"] / base
+            m, k, n = shape
+            assert r["tflops"] == pytest.approx(6 * m * k * n / (r["median_ms"] * 1e-3) / 1e12)
+
+
+def test_peers_are_run_or_skipped_with_a_note(report):
+    measured = {r["variant"] for r in report["linear"]}
+    for peer in ("torchao Float8Linear", "transformer_engine"):
+        assert (peer in measured) != (peer in report["skipped"])
+    for note in report["skipped"].values():
+        assert note
+
+
+def test_stats_cost_and_quantize(report):
+    costs = report["stats_cost"]
+    assert {(tuple(c["shape"]), c["recipe"]) for c in costs} == {(s, r) for s in SHAPES for r in ("current",
+                                                                                                  "delayed")}
+    for c in costs:
+        assert c["ratio"] == c["on_ms"] / c["off_ms"]
+    cases = {q["case"]: q for q in report["quantize"]}
+    assert len(cases) == 2
+    for q in cases.values():
+        assert q["gb_per_s"] == pytest.approx(q["numel"] * 3 / (q["median_ms"] * 1e-3) / 1e9)
+    text = bench.format_report(report)
+    assert "16x64x64" in text and "GB/s" in text and "emulated" in text
+
+
+def test_cli_bench_writes_json(tmp_path, capsys):
+    path = tmp_path / "bench.json"
+    assert main(["bench", "--quick", "--rounds", "1", "--shape", "16x32x16", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "Linear forward+backward" in out
+    data = json.loads(path.read_text())
+    assert {tuple(r["shape"]) for r in data["linear"]} == {(16, 32, 16)}
+    assert data["quick"] is True and data["rounds"] == 1
