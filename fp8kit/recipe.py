@@ -104,8 +104,9 @@ class DelayedScaling:
         algo = self.amax_compute_algo
         if not (callable(algo) or algo in ("max", "most_recent")):
             _fail("amax_compute_algo", f"expected 'max', 'most_recent' or a callable, got {algo!r}")
-        if self.scaling_factor_compute_algo is not None and not callable(self.scaling_factor_compute_algo):
-            _fail("scaling_factor_compute_algo", f"expected None or a callable, got {self.scaling_factor_compute_algo!r}")
+        sf_algo = self.scaling_factor_compute_algo
+        if sf_algo is not None and not callable(sf_algo):
+            _fail("scaling_factor_compute_algo", f"expected None or a callable, got {sf_algo!r}")
         olp = self.override_linear_precision
         if not isinstance(olp, (tuple, list)) or len(olp) != 3 or not all(isinstance(v, bool) for v in olp):
             _fail("override_linear_precision", f"expected three bools (fprop, dgrad, wgrad), got {olp!r}")

@@ -95,14 +95,15 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
 import numpy as np  # noqa: E402
-import reference as ref  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from linear_helpers import np32, sqnr_db  # noqa: E402
 
 import fp8kit.pytorch as te  # noqa: E402
 from fp8kit.pytorch import distributed as fdist  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+import reference as ref  # noqa: E402
+from linear_helpers import np32, sqnr_db  # noqa: E402
 
 RANK = int(os.environ.get("RANK", 0))
 WORLD = int(os.environ.get("WORLD_SIZE", 1))

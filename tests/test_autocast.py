@@ -4,9 +4,10 @@ import numpy as np
 import torch
 
 import fp8kit.pytorch as te
-import reference as ref
 from fp8kit.pytorch.autocast import registry_states
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+
+import reference as ref
 from linear_helpers import np32
 
 

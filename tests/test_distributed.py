@@ -12,10 +12,11 @@ import sys
 
 import pytest
 import torch
-from dist_workers import check_result, launch
 
 import fp8kit.pytorch as te
 from fp8kit.pytorch import distributed as fdist
+
+from dist_workers import check_result, launch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 

@@ -8,10 +8,11 @@ import pytest
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
 import ml_dtypes  # noqa: E402
-import reference as ref  # noqa: E402
 
 from fp8kit.jax import Float8Array, dequantize, quantize  # noqa: E402
 from fp8kit.jax.cast import amax, reciprocal  # noqa: E402
+
+import reference as ref  # noqa: E402
 
 FORMATS = {"e4m3": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}
 SCALES = [1.0, 0.5, 3.7, 2.0**-10, 1e-30, 1234.5678, 2.0**40, 2.0**127 * 1.5, float(ref.FLT_MAX)]

@@ -10,12 +10,13 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import reference as ref  # noqa: E402
 
 import fp8kit.jax as te  # noqa: E402
 from fp8kit.jax.flax import DenseGeneral  # noqa: E402
 from fp8kit.jax.state import init_group  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Format  # noqa: E402
+
+import reference as ref  # noqa: E402
 
 IN, OUT, ROWS = 16, 8, 12
 LAYER = DenseGeneral(features=OUT, use_bias=False, kernel_init=nn.initializers.zeros)

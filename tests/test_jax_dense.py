@@ -5,11 +5,12 @@ import pytest
 
 jax = pytest.importorskip("jax")
 import jax.numpy as jnp  # noqa: E402
-import reference as ref  # noqa: E402
 
 import fp8kit.jax as te  # noqa: E402
 from fp8kit.jax.state import init_group  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
+
+import reference as ref  # noqa: E402
 
 M, K, N = 24, 32, 16
 

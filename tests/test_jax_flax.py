@@ -8,11 +8,12 @@ jax = pytest.importorskip("jax")
 pytest.importorskip("flax")
 import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import reference as ref  # noqa: E402
 
 import fp8kit.jax as te  # noqa: E402
 from fp8kit.jax.flax import DenseGeneral, LayerNormDenseGeneral, LayerNormMLP  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format  # noqa: E402
+
+import reference as ref  # noqa: E402
 
 
 def _shapes(tree):

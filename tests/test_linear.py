@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import fp8kit.pytorch as te
-import reference as ref
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+import reference as ref
 from linear_helpers import assert_gemm_close, deq, np32, sqnr_db
 
 FMT_NAMES = {Format.E4M3: ("e4m3", "e4m3"), Format.E5M2: ("e5m2", "e5m2"), Format.HYBRID: ("e4m3", "e5m2")}
@@ -141,7 +142,8 @@ def test_three_gemms_equal_float64_on_reference_quantized_operands(fmt, dtype, d
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=8), Float8CurrentScaling(),
-                                    DelayedScaling(fp8_format=Format.E4M3), Float8CurrentScaling(use_power_2_scales=True)])
+                                    DelayedScaling(fp8_format=Format.E4M3),
+                                    Float8CurrentScaling(use_power_2_scales=True)])
 def test_sqnr_against_float64_linear(recipe):
     torch.manual_seed(2)
     layer = te.Linear(256, 128)

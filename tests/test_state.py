@@ -7,9 +7,10 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import reference as ref
 from fp8kit.pytorch.state import ScalingState, resized_history, update_states
 from fp8kit.recipe import DelayedScaling, Format
+
+import reference as ref
 
 
 def run_both(recipe, fp8_max, stagings, sizes=(3, 2)):

@@ -5,12 +5,13 @@ import io
 
 import numpy as np
 import pytest
-import reference as ref
 import torch
 
 import fp8kit.pytorch as te
 from fp8kit.pytorch.stats import STATS_COLUMNS, RoleStats
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+import reference as ref
 
 FMT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
