@@ -75,6 +75,7 @@ def main(steps: int = 5) -> None:
     data_parallel(rank, world, device, steps)
     tensor_parallel(rank, world, device)
     if created:
+        dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts otherwise)
         dist.destroy_process_group()
 
 

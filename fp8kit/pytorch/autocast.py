@@ -193,7 +193,7 @@ def _update_key(key, which: str) -> None:
     recipe = entry.recipe
     fmt = recipe.fp8_format.value
     fp8_max = fmt.max_fwd if which == "forward" else fmt.max_bwd
-    update_states(states, recipe, fp8_max, _reduce_group(recipe, entry.group))
+    update_states(states, recipe, fp8_max)
 
 
 def _check_recipe(recipe) -> Recipe:

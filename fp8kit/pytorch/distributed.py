@@ -209,7 +209,7 @@ def reduced_update(key, which: str, used: bool) -> None:
     sizes = [s.num_slots for s in states]
     torch._foreach_copy_([s.amax_history[0] for s in states], list(staging.split(sizes)))
     fmt = recipe.fp8_format.value
-    update_states(states, recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd, None)
+    update_states(states, recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd)
 
 
 def apply_pending_updates() -> None:

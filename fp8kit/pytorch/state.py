@@ -137,25 +137,16 @@ def _recompute_mask(states: Sequence[ScalingState], interval: int, device) -> Op
     return torch.tensor(per_column, dtype=torch.bool, device=device)
 
 
-def update_states(
-    states: List[ScalingState], recipe: DelayedScaling, fp8_max: float, reduce_group=None
-) -> None:
+def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: float) -> None:
     """Run one batched update over `states` (all with the same history length), in place.
 
-    With `reduce_group` (a torch.distributed group, or the default group when it is `True`), the staging rows of
-    all states are all-reduced with MAX in one collective first.
+    The staging rows are used as they are: with amax reduction, `distributed.reduced_update` all-reduces them first.
     """
     if not states:
         return
     device = states[0].scale.device
     history = torch.cat([s.amax_history for s in states], dim=1)
     scale = torch.cat([s.scale for s in states])
-    if reduce_group is not None:
-        import torch.distributed as dist
-
-        staging = history[0].clone()
-        dist.all_reduce(staging, op=dist.ReduceOp.MAX, group=None if reduce_group is True else reduce_group)
-        history[0] = staging
     recompute = _recompute_mask(states, recipe.interval, device)
     new_history, new_scale = compute_update(history, scale, recipe, fp8_max, recompute)
     sizes = [s.num_slots for s in states]
