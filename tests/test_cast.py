@@ -255,3 +255,4 @@ def test_cuda_cast_matches_cpu(fmt):
     y = torch.randn(1000, 100) * 1e3
     q_cpu, q_gpu = quantize(y, FORMATS[fmt]), quantize(y.cuda(), FORMATS[fmt])
     assert torch.equal(q_gpu.data.view(torch.uint8).cpu(), q_cpu.data.view(torch.uint8))
+

@@ -52,9 +52,9 @@ def _emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
         alpha = float(scale)
         if alpha != float("inf"):
             base = bias if bias is not None else _ZERO_BF16
-            return torch.addmm(base, a.data.to(torch.bfloat16), b.data.to(torch.bfloat16),
+            return torch.addmm(base, a.values(torch.bfloat16), b.values(torch.bfloat16),
                                beta=1 if bias is not None else 0, alpha=alpha)
-    out = torch.mm(a.data.float(), b.data.float())
+    out = torch.mm(a.values(torch.float32), b.values(torch.float32))
     out.mul_(scale)
     if bias is not None:
         out.add_(bias.float())

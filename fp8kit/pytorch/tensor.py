@@ -19,7 +19,7 @@ class Float8Tensor:
         in modules; `dequantize()` itself defaults to float32).
     """
 
-    __slots__ = ("data", "scale_inv", "dtype")
+    __slots__ = ("data", "scale_inv", "dtype", "_values")
 
     def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: Optional[torch.dtype] = None):
         if data.dtype not in FP8_DTYPES:
@@ -32,6 +32,7 @@ class Float8Tensor:
         self.data = data
         self.scale_inv = scale_inv
         self.dtype = dtype if dtype is not None else torch.float32
+        self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -49,9 +50,20 @@ class Float8Tensor:
         """`float32(data) * scale_inv`, then converted to `dtype`."""
         return (self.data.float() * self.scale_inv).to(dtype)
 
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unscaled FP8 values as `dtype` (exact for bf16, fp16 and fp32), converted once and kept, so that a
+        tensor used by two GEMMs (grad_output in dgrad and wgrad) is converted once."""
+        cached = self._values
+        if cached is None or cached.dtype != dtype:
+            cached = self._values = self.data.to(dtype)
+        return cached
+
     def t(self) -> "Float8Tensor":
-        """The transpose of a 2-D tensor; the bytes are moved exactly, the scale is shared."""
-        return Float8Tensor(self.data.t(), self.scale_inv, self.dtype)
+        """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared."""
+        out = Float8Tensor(self.data.t(), self.scale_inv, self.dtype)
+        if self._values is not None:
+            out._values = self._values.t()
+        return out
 
     def __repr__(self) -> str:
         return (
