@@ -8,7 +8,7 @@ Peers are imported lazily and skipped with a note when missing: torchao's Float8
 emulation mode off CUDA) and Transformer Engine's Linear (CUDA only). Also measured: the quantize throughput
 (GB/s counted as bytes read once plus bytes written) and the cost of `fp8kit.pytorch.enable_stats`.
 
-On CPU fp8kit emulates the FP8 GEMMs (float32 matmuls of FP8 values), so CPU ratios measure the emulation, not
+On CPU fp8kit emulates the FP8 GEMMs (the FP8 values multiplied exactly in bf16 or float32, float32 accumulation), so CPU ratios measure the emulation, not
 FP8 hardware.
 """
 
@@ -221,7 +221,7 @@ def format_report(report: dict) -> str:
     lines = [f"fp8kit {report['fp8kit_version']} bench on {report['device']} ({report['device_name']}), "
              f"torch {report['torch_version']}, median of {report['rounds']} interleaved rounds"]
     if report["device"] == "cpu":
-        lines.append("CPU: fp8kit's FP8 GEMMs are emulated (float32 matmuls of FP8 values)")
+        lines.append("CPU: fp8kit's FP8 GEMMs are emulated (FP8 values as bf16 or float32, float32 accumulation)")
     lines += ["", "Linear forward+backward, bf16 operands",
               f"{'shape MxKxN':<16} {'variant':<22} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8}"]
     for r in report["linear"]:
