@@ -8,8 +8,8 @@ Peers are imported lazily and skipped with a note when missing: torchao's Float8
 emulation mode off CUDA) and Transformer Engine's Linear (CUDA only). Also measured: the quantize throughput
 (GB/s counted as bytes read once plus bytes written) and the cost of `fp8kit.pytorch.enable_stats`.
 
-On CPU fp8kit emulates the FP8 GEMMs (the FP8 values multiplied exactly in bf16 or float32, float32 accumulation), so CPU ratios measure the emulation, not
-FP8 hardware.
+On CPU fp8kit emulates the FP8 GEMMs (the FP8 values multiplied exactly in bf16 or float32, float32
+accumulation), so CPU ratios measure the emulation, not FP8 hardware.
 """
 
 from __future__ import annotations
