@@ -143,3 +143,22 @@ def test_bad_fp8_entries_get_clear_errors():
     zero_scale = dict(sd, **{"fp8_meta.scaling_fwd.scale": torch.zeros(3)})
     with pytest.raises(RuntimeError, match="not finite and > 0"):
         te.Linear(16, 16).load_state_dict(zero_scale)
+
+
+def test_saving_with_a_deferred_backward_update_warns(monkeypatch):
+    import importlib
+
+    ac = importlib.import_module("fp8kit.pytorch.autocast")  # the module, not the function of that name
+
+    layer = te.Linear(16, 16)
+    with te.autocast(recipe=RECIPE):
+        layer(torch.randn(4, 16)).sum().backward()
+    monkeypatch.setitem(ac._PENDING_BACKWARD, layer.fp8_meta["scaling_bwd"].key, None)  # as amax reduction does
+    with pytest.warns(UserWarning, match="apply_pending_updates"):
+        layer.state_dict()
+    monkeypatch.delitem(ac._PENDING_BACKWARD, layer.fp8_meta["scaling_bwd"].key)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer.state_dict()

@@ -168,6 +168,11 @@ def _update_step(step: _Step) -> None:
             _PENDING_BACKWARD[key] = None
 
 
+def has_pending_backward(state: ScalingState) -> bool:
+    """True when `state` (a backward state) waits for a deferred, collective backward update."""
+    return state.key in _PENDING_BACKWARD
+
+
 def _run_pending_backward() -> None:
     """The deferred backward updates of reduced keys, in the order their steps exited (the same on every rank)."""
     from .distributed import reduced_update

@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Tuple
 
 import torch
 
-from ..autocast import Frame, register
+from ..autocast import Frame, has_pending_backward, register
 from ..state import ScalingState, resized_history
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
@@ -47,6 +48,12 @@ class FP8StateMixin:
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
+        backward = self.fp8_meta["scaling_bwd"]
+        if backward is not None and has_pending_backward(backward):
+            warnings.warn(
+                f"fp8kit: {prefix or 'the module'}: a backward amax update deferred by amax reduction has not run yet; "
+                "call fp8kit.pytorch.distributed.apply_pending_updates() on every rank before saving, or a resumed "
+                "run will merge it into the next step's update", stacklevel=3)
         for name, _ in _PASSES:
             state = self.fp8_meta[name]
             if state is None:
