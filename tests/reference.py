@@ -70,11 +70,12 @@ class DelayedState:
     """SPEC sections 4 and 5 for one `[L, n]` history, one column at a time, in float32 scalars."""
 
     def __init__(self, length: int, n: int, fp8_max: float, margin: int = 0, algo="max", scale_algo=None,
-                 interval: int = 1, power_2: bool = False):
+                 interval: int = 1, power_2: bool = False, recipe=None):
         self.history = np.zeros((length, n), dtype=np.float32)
         self.scale = np.ones(n, dtype=np.float32)
         self.fp8_max, self.margin, self.algo, self.scale_algo = fp8_max, margin, algo, scale_algo
         self.interval, self.power_2, self.updates = interval, power_2, 0
+        self.recipe = recipe  # passed on to a callable scale_algo, as the library passes its recipe
 
     def record(self, slot: int, value: float) -> None:
         """A cast of a tensor with this amax: max-accumulate into the staging row."""
@@ -132,6 +133,6 @@ class DelayedState:
         if not recompute:
             return
         if self.scale_algo is not None:
-            self.scale = np.asarray(self.scale_algo(a, self.scale.copy(), self.fp8_max, None), dtype=np.float32)
+            self.scale = np.asarray(self.scale_algo(a, self.scale.copy(), self.fp8_max, self.recipe), dtype=np.float32)
         else:
             self.scale = np.array([self._new_scale(a[j], self.scale[j]) for j in range(len(a))], dtype=np.float32)

@@ -18,7 +18,7 @@ def run_both(recipe, fp8_max, stagings, sizes=(3, 2)):
     length = recipe.amax_history_len
     states = [ScalingState(n, length) for n in sizes]
     refs = [ref.DelayedState(length, n, fp8_max, recipe.margin, recipe.amax_compute_algo,
-                             _np_scale_algo(recipe), recipe.interval, recipe.power_2_scale) for n in sizes]
+                             _np_scale_algo(recipe), recipe.interval, recipe.power_2_scale, recipe) for n in sizes]
     for step, row in enumerate(stagings):
         offset = 0
         for s, r in zip(states, refs):
@@ -39,7 +39,7 @@ def _np_scale_algo(recipe):
     f = recipe.scaling_factor_compute_algo
     if f is None:
         return None
-    return lambda a, s, m, _: f(torch.from_numpy(np.asarray(a)), torch.from_numpy(s), m, recipe).numpy()
+    return lambda a, s, m, r: f(torch.from_numpy(np.asarray(a)), torch.from_numpy(s), m, r).numpy()
 
 
 def magnitudes(steps, n, seed, specials=True):
@@ -97,7 +97,8 @@ def test_callables_match_reference():
         return (history.amax(dim=0) + history[0]) / 2
 
     def scale_algo(amax, scale, fp8_max, recipe):
-        return torch.where(amax > 0, fp8_max / (2 * amax.clamp_min(1e-30)), scale)
+        # uses the recipe it is handed: the library must pass its own recipe object
+        return torch.where(amax > 0, fp8_max / (recipe.amax_history_len * amax.clamp_min(1e-30)), scale)
 
     for kwargs in (dict(amax_compute_algo=amax_algo), dict(scaling_factor_compute_algo=scale_algo),
                    dict(amax_compute_algo=amax_algo, scaling_factor_compute_algo=scale_algo)):
@@ -107,7 +108,7 @@ def test_callables_match_reference():
         states = [ScalingState(3, length)]
         r = ref.DelayedState(length, 3, 448.0, 0,
                              (lambda h: amax_algo(torch.from_numpy(h)).numpy()) if "amax_compute_algo" in kwargs
-                             else "max", _np_scale_algo(recipe))
+                             else "max", _np_scale_algo(recipe), recipe=recipe)
         for step, row in enumerate(magnitudes(20, 3, seed=7, specials=False)):
             for j in range(3):
                 states[0].record(j, torch.tensor(row[j]))
