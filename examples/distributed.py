@@ -11,6 +11,7 @@ Runs on CPU with the gloo backend (or on GPUs with NCCL when every rank has one)
 See docs/distributed.md.
 """
 
+import gc
 import os
 
 import torch
@@ -75,7 +76,10 @@ def main(steps: int = 5) -> None:
     data_parallel(rank, world, device, steps)
     tensor_parallel(rank, world, device)
     if created:
-        dist.barrier()  # no rank tears the group down while another still talks to it (gloo aborts otherwise)
+        # Free what still holds the group (DDP's reducer sits in reference cycles) before tearing it down: a gloo
+        # group destroyed at interpreter exit instead aborts the process ("terminate called ...") under load.
+        gc.collect()
+        dist.barrier()
         dist.destroy_process_group()
 
 

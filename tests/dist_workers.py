@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -815,6 +816,7 @@ def _worker(checks):
         if failed:  # later collectives could be misaligned: stop here
             break
     if not failed:
+        gc.collect()  # see examples/distributed.py: nothing may hold the gloo group past its destruction
         dist.barrier()
         dist.destroy_process_group()
     sys.exit(1 if failed else 0)
