@@ -49,7 +49,7 @@ def scale_from_amax(
     becomes FLT_MAX; optionally rounded down to a power of two. Works elementwise on any shape."""
     numerator = torch.full_like(amax_value, scaled_max)
     scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)
-    scale = torch.where(torch.isinf(scale), FLT_MAX, scale)
+    scale = scale.clamp_max_(FLT_MAX)  # an infinite scale becomes FLT_MAX (NaN stays NaN and is masked below)
     if power_2:
         scale = round_down_pow2(scale)
     ok = torch.isfinite(amax_value) & (amax_value > 0)

@@ -76,11 +76,11 @@ def resized_history(history: torch.Tensor, length: int) -> torch.Tensor:
     return out
 
 
-def _rolled(history: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
-    """`[0, history[2..L-1], last]` for every column (`[0]` when L == 1)."""
-    if history.shape[0] == 1:
-        return torch.zeros_like(history)
-    return torch.cat([torch.zeros_like(last)[None], history[2:], last[None]])
+def _rolled(history: torch.Tensor) -> torch.Tensor:
+    """`[0, history[2..L-1], history[0]]` for every column (`[0]` when L == 1): roll up by one, clear row 0."""
+    rolled = history.roll(-1, dims=0)
+    rolled[0] = 0
+    return rolled
 
 
 def _nan_ignoring_max(history: torch.Tensor) -> torch.Tensor:
@@ -109,7 +109,7 @@ def compute_update(
             amax = last
         else:
             amax = _nan_ignoring_max(history)
-        new_history = _rolled(history, last)
+        new_history = _rolled(history)
         if recipe.scaling_factor_compute_algo is not None:
             new_scale = recipe.scaling_factor_compute_algo(amax, scale.clone(), fp8_max, recipe)
             new_scale = torch.as_tensor(new_scale, dtype=torch.float32, device=scale.device).expand_as(scale)
@@ -123,7 +123,7 @@ def compute_update(
     new_scale = scale_from_amax(amax, scaled_max, scale, recipe.power_2_scale)
     keep_scale = ~used if recompute is None else ~(used & recompute)
     new_scale = torch.where(keep_scale, scale, new_scale)
-    new_history = torch.where(used, _rolled(history, last), history)
+    new_history = torch.where(used, _rolled(history), history)
     return new_history, new_scale
 
 
