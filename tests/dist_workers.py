@@ -1,8 +1,5 @@
-"""Multi-process checks of fp8kit.pytorch on torch.distributed (gloo, CPU), and the launcher the tests use.
-
-`launch(world_size, checks)` starts `world_size` copies of this file (torchrun-like environment variables, a free
-port on 127.0.0.1), each running the named checks in order, and returns every rank's results. A worker stops at its
-first unexpected failure (later collectives could be misaligned); the launcher kills all workers at a hard timeout.
+"""Multi-process checks of fp8kit.pytorch on torch.distributed (gloo, CPU); tests/dist_launch.py starts this file
+once per rank with the names of the checks to run, in order.
 
 Each check compares fp8kit against something it does not share code with: tests/reference.py fed with amaxes
 computed by the reference from the tensors themselves and max-reduced with raw torch.distributed calls, a
@@ -17,77 +14,11 @@ import datetime
 import gc
 import json
 import os
-import shutil
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-# ---- launcher (runs in the pytest process) -----------------------------------------------------------------------
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(world_size: int, checks, timeout: float = 90.0) -> dict:
-    """Run `checks` on `world_size` local processes. Returns {"ranks": [per-rank {check: result}], "logs": [...],
-    "seconds": wall time, "returncodes": [...]}; a result is {"ok": bool, "error": str, "seconds": float}."""
-    out = tempfile.mkdtemp(prefix="fp8kit_dist_")
-    port = _free_port()
-    procs, logs = [], []
-    start = time.time()
-    for rank in range(world_size):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world_size),
-                   RANK=str(rank), LOCAL_RANK=str(rank), FP8KIT_TEST_OUT=out, OMP_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore")
-        log = open(os.path.join(out, f"log{rank}.txt"), "w")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), ",".join(checks)], env=env,
-                                      stdout=log, stderr=subprocess.STDOUT, cwd=os.path.dirname(HERE)))
-    first_exit = None
-    while time.time() - start < timeout:
-        codes = [p.poll() for p in procs]
-        if all(c is not None for c in codes):
-            break
-        if any(c not in (None, 0) for c in codes):  # one rank failed: the others get a short grace period
-            first_exit = first_exit or time.time()
-            if time.time() - first_exit > 15:
-                break
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.kill()
-        p.wait()
-    for log in logs:
-        log.close()
-    ranks, texts = [], []
-    for rank in range(world_size):
-        path = os.path.join(out, f"result{rank}.json")
-        ranks.append(json.load(open(path)) if os.path.exists(path) else {})
-        texts.append(open(os.path.join(out, f"log{rank}.txt")).read())
-    shutil.rmtree(out, ignore_errors=True)
-    return {"ranks": ranks, "logs": texts, "seconds": time.time() - start,
-            "returncodes": [p.returncode for p in procs]}
-
-
-def check_result(run: dict, check: str) -> None:
-    """Assert that every rank ran `check` successfully, with the workers' output in the message if not."""
-    problems = []
-    for rank, results in enumerate(run["ranks"]):
-        res = results.get(check)
-        if res is None:
-            problems.append(f"rank {rank}: no result (return code {run['returncodes'][rank]})\n"
-                            + run["logs"][rank][-3000:])
-        elif not res["ok"]:
-            problems.append(f"rank {rank}: {res['error']}")
-    assert not problems, f"check {check!r} failed:\n" + "\n".join(problems)
 
 
 # ---- worker side ------------------------------------------------------------------------------------------------
@@ -633,18 +564,12 @@ def _mlp(seed):
     return torch.nn.Sequential(te.Linear(32, 64), torch.nn.ReLU(), te.Linear(64, 32))
 
 
-def check_ddp():
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    recipe = DelayedScaling(amax_history_len=8)
-    model = DDP(_mlp(11))
-    single = _mlp(11)  # the same model on one process, fed with every rank's batch
-    start = [p.detach().clone() for p in single.parameters()]
-    local_recipe = DelayedScaling(amax_history_len=8, reduce_amax=False)
+def _train_with_single_process_twin(model, single, recipe, local_recipe, steps: int, seed: int) -> None:
+    """SGD steps of the distributed `model` on this rank's batch and of `single` on every rank's batches."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
-    for step in range(4):
-        batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(500 + 10 * step + r)) * (1 + r)
+    for step in range(steps):
+        batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(seed + 10 * step + r)) * (1 + r)
                    for r in range(WORLD)]
         with te.autocast(recipe=recipe):
             loss = model(batches[RANK]).square().mean()
@@ -657,6 +582,17 @@ def check_ddp():
         opt_single.step()
         opt_single.zero_grad()
     fdist.apply_pending_updates()
+
+
+def check_ddp():
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    recipe = DelayedScaling(amax_history_len=8)
+    model = DDP(_mlp(11))
+    single = _mlp(11)  # the same model on one process, fed with every rank's batch
+    start = [p.detach().clone() for p in single.parameters()]
+    local_recipe = DelayedScaling(amax_history_len=8, reduce_amax=False)
+    _train_with_single_process_twin(model, single, recipe, local_recipe, steps=4, seed=500)
     inner = model.module
     states = [inner[i].fp8_meta[w].amax_history for i in (0, 2) for w in ("scaling_fwd", "scaling_bwd")] + \
         [inner[i].fp8_meta[w].scale for i in (0, 2) for w in ("scaling_fwd", "scaling_bwd")]
@@ -720,22 +656,7 @@ def check_fsdp2():
     assert model[0].weight.to_local().shape == (64 // WORLD, 32)  # really sharded
     recipe = DelayedScaling(amax_history_len=8)
     local_recipe = DelayedScaling(amax_history_len=8, reduce_amax=False)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    opt_single = torch.optim.SGD(single.parameters(), lr=0.1)
-    for step in range(3):
-        batches = [torch.randn(8, 32, generator=torch.Generator().manual_seed(700 + 10 * step + r)) * (1 + r)
-                   for r in range(WORLD)]
-        with te.autocast(recipe=recipe):
-            loss = model(batches[RANK]).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        with te.autocast(recipe=local_recipe):
-            loss_single = single(torch.cat(batches)).square().mean()
-        loss_single.backward()
-        opt_single.step()
-        opt_single.zero_grad()
-    fdist.apply_pending_updates()
+    _train_with_single_process_twin(model, single, recipe, local_recipe, steps=3, seed=700)
     for p, q, p0 in zip(model.parameters(), single.parameters(), start):  # the updates agree
         full_p = p.full_tensor()
         assert sqnr_db(np32(q - p0), np32(full_p - p0)) >= 40, sqnr_db(np32(q - p0), np32(full_p - p0))

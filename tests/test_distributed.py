@@ -1,8 +1,9 @@
 """fp8kit.pytorch on torch.distributed (SPEC section 9): amax reduction, modules skipped on some ranks,
 registration mismatches, tensor-parallel Linear, DDP and FSDP2, on local gloo processes (CPU).
 
-The checks themselves live in tests/dist_workers.py (each says what it compares against). The processes start once
-per world size for this file and run every check in turn; each launch has a hard timeout, so nothing can hang.
+The checks themselves live in tests/dist_workers.py (each says what it compares against), started by
+tests/dist_launch.py. The processes start once per world size for this file and run every check in turn; each
+launch has a hard timeout, so nothing can hang.
 """
 
 import os
@@ -16,7 +17,7 @@ import torch
 import fp8kit.pytorch as te
 from fp8kit.pytorch import distributed as fdist
 
-from dist_workers import check_result, launch
+from dist_launch import check_result, launch
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
