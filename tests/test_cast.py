@@ -10,9 +10,20 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fp8kit.pytorch import Float8Tensor, quantize
+from fp8kit.pytorch import Float8Tensor, host, quantize
 
 import reference as ref
+
+
+@pytest.fixture(autouse=True, params=["host", "tensor"])
+def path(request):
+    """Every test runs on the CPU fast path (scale math on floats, fp8kit.pytorch.host) and on the torch-operation
+    path that accelerators use."""
+    if request.param == "host":
+        yield request.param
+    else:
+        with host.tensor_path():
+            yield request.param
 
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALES = [1.0, 0.5, 3.7, 2.0**-10, 1e-30, 1234.5678, 2.0**40]

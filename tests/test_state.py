@@ -7,10 +7,22 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fp8kit.pytorch import host
 from fp8kit.pytorch.state import ScalingState, resized_history, update_states
 from fp8kit.recipe import DelayedScaling, Format
 
 import reference as ref
+
+
+@pytest.fixture(autouse=True, params=["host", "tensor"])
+def path(request):
+    """Every test runs on the CPU fast path (NumPy, fp8kit.pytorch.host) and on the torch-operation path that
+    accelerators use."""
+    if request.param == "host":
+        yield request.param
+    else:
+        with host.tensor_path():
+            yield request.param
 
 
 def run_both(recipe, fp8_max, stagings, sizes=(3, 2)):
@@ -171,7 +183,9 @@ class CountOps(TorchDispatchMode):
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=8), DelayedScaling(amax_history_len=8, interval=3),
                                     DelayedScaling(amax_history_len=8, amax_compute_algo="most_recent")])
-def test_update_cost_does_not_grow_with_module_count(recipe):
+def test_update_cost_does_not_grow_with_module_count(recipe, path):
+    if path == "host":
+        pytest.skip("the tensor path's cost; the host path runs no torch operation (next test)")
     counts = {}
     for n in (10, 200):
         states = [ScalingState(3, 8) for _ in range(n)]
@@ -185,3 +199,40 @@ def test_update_cost_does_not_grow_with_module_count(recipe):
             counts.setdefault(n, []).append(len(mode.ops))
     assert counts[10] == counts[200], counts
     assert max(counts[200]) < 40
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=8), DelayedScaling(amax_history_len=8, interval=3),
+                                    DelayedScaling(amax_history_len=8, power_2_scale=True, margin=2)])
+def test_host_path_records_and_updates_without_torch_operations(recipe, path):
+    if path == "tensor":
+        pytest.skip("host path only")
+    states = [ScalingState(3, 8) for _ in range(5)]
+    with CountOps() as mode:
+        for step in range(4):
+            for s in states:
+                s.record(step % 3, float(step + 1))
+            update_states(states, recipe, 448.0)
+    # `.numpy()` shows up as a detach under a dispatch mode; nothing computes
+    assert [op for op in mode.ops if op != "aten.detach.default"] == []
+    assert [s.update_count for s in states] == [4] * 5
+
+
+def test_host_and_tensor_paths_agree_bit_for_bit():
+    rng = np.random.default_rng(11)
+    for recipe in (DelayedScaling(amax_history_len=5), DelayedScaling(amax_history_len=1, margin=3),
+                   DelayedScaling(amax_history_len=6, amax_compute_algo="most_recent", power_2_scale=True)):
+        history = (np.abs(rng.standard_normal((recipe.amax_history_len, 64)))
+                   * np.exp2(rng.integers(-140, 128, (recipe.amax_history_len, 64)))).astype(np.float32)
+        history[rng.random(history.shape) < 0.2] = 0.0
+        history[rng.random(history.shape) < 0.05] = np.nan
+        history[rng.random(history.shape) < 0.05] = np.inf
+        history[0, :3] = [1e-45, 3.4e38, 1.2e-38]  # subnormal, huge, smallest normal
+        scale = (np.abs(rng.standard_normal(64)) * 10).astype(np.float32)
+        recompute = rng.random(64) < 0.7
+        for mask in (None, recompute):
+            h_np, s_np = host.compute_update(history.copy(), scale.copy(), recipe, 448.0, mask)
+            from fp8kit.pytorch.state import compute_update
+            h_t, s_t = compute_update(torch.from_numpy(history.copy()), torch.from_numpy(scale.copy()), recipe, 448.0,
+                                      None if mask is None else torch.from_numpy(mask))
+            np.testing.assert_array_equal(h_np.view(np.int32), h_t.numpy().view(np.int32))
+            np.testing.assert_array_equal(s_np.view(np.int32), s_t.numpy().view(np.int32))

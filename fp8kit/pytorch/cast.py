@@ -6,11 +6,13 @@ One convention everywhere: `q = saturate(float32(x) * scale)` rounded to nearest
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Union
 
 import torch
 
 from ..recipe import FLT_MAX
+from . import host
 from .tensor import FP8_DTYPES, Float8Tensor
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -87,6 +89,18 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8
     return Float8Tensor(cast_to_fp8(x, scale, fp8_dtype), torch.reciprocal(scale.reshape(())), x.dtype)
 
 
+def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float) -> Float8Tensor:
+    """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
+    `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s."""
+    fp8_max = FP8_MAX[fp8_dtype]
+    y = x.float() * scale if x.dtype != torch.float32 else x * scale  # the float scale is exact in float32
+    # Products are monotonic in |x|: when the largest stays within range no element needs the clamp.
+    if not host.f32(amax_value * scale) <= fp8_max:
+        y.clamp_(-fp8_max, fp8_max)
+    inv = host.reciprocal(scale)
+    return Float8Tensor(y.to(fp8_dtype), torch.scalar_tensor(inv, dtype=torch.float32), x.dtype, inv)
+
+
 def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"quantize: expected a torch.Tensor, got {type(x).__name__}")
@@ -130,11 +144,18 @@ def quantize(
     Returns a Float8Tensor whose `.data` has x's shape and `.scale_inv` is one float32 element.
     """
     _check_input(x, fp8_dtype)
+    x = x.detach()
+    fast = host.active(x.device)
     if scale is None:
         eps = float(amax_epsilon)
         if not (eps >= 0 and eps != float("inf")):
             raise ValueError(f"quantize: amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
-        s = current_scale(x.detach(), FP8_MAX[fp8_dtype], eps, bool(power_2_scale))
+        if fast:
+            a = host.amax(x)
+            return cast_host(x, host.current_scale(a, FP8_MAX[fp8_dtype], eps, bool(power_2_scale)), fp8_dtype, a)
+        s = current_scale(x, FP8_MAX[fp8_dtype], eps, bool(power_2_scale))
     else:
         s = _checked_scale(scale, x.device)
-    return cast(x.detach(), s, fp8_dtype)
+        if fast:
+            return cast_host(x, float(s), fp8_dtype, math.inf)  # amax unknown: always clamp
+    return cast(x, s, fp8_dtype)

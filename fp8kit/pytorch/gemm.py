@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from . import host
 from .tensor import Float8Tensor
 
 
@@ -45,22 +46,28 @@ def gemm(
 
 
 def _emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor]):
-    scale = a.scale_inv * b.scale_inv  # float32, as the GPU's alpha
-    if out_dtype == torch.bfloat16:
+    if a.scale_inv_value is not None and b.scale_inv_value is not None:  # CPU fast path: no tensor op for alpha
+        alpha = host.f32(a.scale_inv_value * b.scale_inv_value)  # the float32 product (exact in float64, rounded)
+        scale = None
+    else:
+        scale = a.scale_inv * b.scale_inv  # float32, as the GPU's alpha
+        alpha = float(scale)
+    m, k = a.shape
+    if out_dtype == torch.bfloat16 and alpha != float("inf") and m * k * b.shape[1] >= _BF16_GEMM_MIN_MACS:
         # FP8 values are exact in bf16; addmm applies alpha to the float32 accumulator and rounds once to bf16,
         # which is what the float32 path below gives, at the speed of a bf16 GEMM.
-        alpha = float(scale)
-        if alpha != float("inf"):
-            base = bias if bias is not None else _ZERO_BF16
-            return torch.addmm(base, a.values(torch.bfloat16), b.values(torch.bfloat16),
-                               beta=1 if bias is not None else 0, alpha=alpha)
+        base = bias if bias is not None else _ZERO_BF16
+        return torch.addmm(base, a.values(torch.bfloat16), b.values(torch.bfloat16),
+                           beta=1 if bias is not None else 0, alpha=alpha)
     out = torch.mm(a.values(torch.float32), b.values(torch.float32))
-    out.mul_(scale)
+    out.mul_(alpha if scale is None else scale)
     if bias is not None:
         out.add_(bias.float())
     return out.to(out_dtype)
 
 
+# Below this many multiply-adds a float32 GEMM beats a bf16 one on CPUs (its fixed cost is lower).
+_BF16_GEMM_MIN_MACS = 1 << 24
 _ZERO_BF16 = torch.zeros((), dtype=torch.bfloat16)
 
 

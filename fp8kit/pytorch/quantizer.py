@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from .cast import FP8_MAX, amax, cast, current_scale
+from . import host
+from .cast import FP8_MAX, amax, cast, cast_host, current_scale
 from .state import ScalingState
 from .tensor import Float8Tensor
 
@@ -19,6 +20,15 @@ class DelayedQuantizer:
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
+        if host.active(x.device):
+            a = host.amax(x)
+            self.state.record(self.slot, a)
+            scale = float(self.state.scale_values()[self.slot])
+            q = cast_host(x, scale, self.fp8_dtype, a)
+            if self.stats is not None:
+                self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
+                                  torch.scalar_tensor(a, dtype=torch.float32))
+            return q
         a = amax(x)
         self.state.record(self.slot, a)
         scale = self.state.scale[self.slot]
@@ -29,7 +39,7 @@ class DelayedQuantizer:
 
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record the amax without casting."""
-        self.state.record(self.slot, amax(x))
+        self.state.record(self.slot, host.amax(x) if host.active(x.device) else amax(x))
 
 
 class CurrentQuantizer:
@@ -42,6 +52,14 @@ class CurrentQuantizer:
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
 
     def quantize(self, x: torch.Tensor) -> Float8Tensor:
+        if self.group is None and host.active(x.device):
+            a = host.amax(x)
+            scale = host.current_scale(a, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2)
+            q = cast_host(x, scale, self.fp8_dtype, a)
+            if self.stats is not None:
+                self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
+                                  torch.scalar_tensor(a, dtype=torch.float32))
+            return q
         scale = current_scale(x, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2, self.group)
         q = cast(x, scale, self.fp8_dtype)
         if self.stats is not None:

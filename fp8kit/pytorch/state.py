@@ -13,6 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..recipe import DelayedScaling
+from . import host
 from .cast import scale_from_amax
 
 
@@ -50,8 +51,18 @@ class ScalingState:
         self.amax_history = self.amax_history.to(device)
         self.scale = self.scale.to(device)
 
-    def record(self, slot: int, amax: torch.Tensor) -> None:
-        """Max-accumulate a cast's amax into the staging row (NaN-ignoring)."""
+    def scale_values(self):
+        """The scales as a NumPy array sharing memory with `scale` (CPU states only; the host fast path)."""
+        return self.scale.numpy()
+
+    def record(self, slot: int, amax) -> None:
+        """Max-accumulate a cast's amax (a 0-d tensor, or a float for a CPU state) into the staging row,
+        NaN-ignoring."""
+        if isinstance(amax, float):
+            row = self.amax_history.numpy()[0]
+            if amax == amax and not amax <= row[slot]:  # also replaces a NaN staging value
+                row[slot] = amax
+            return
         stage = self.amax_history[0, slot]
         stage.copy_(torch.fmax(stage, amax))
 
@@ -127,14 +138,14 @@ def compute_update(
     return new_history, new_scale
 
 
-def _recompute_mask(states: Sequence[ScalingState], interval: int, device) -> Optional[torch.Tensor]:
+def _recompute_flags(states: Sequence[ScalingState], interval: int) -> Optional[List[bool]]:
+    """Per column: may its scale change in this update (`interval`)? None when all may."""
     if interval == 1:
         return None
     flags = [s.update_count % interval == 0 for s in states]
     if all(flags):
         return None
-    per_column = [f for s, f in zip(states, flags) for _ in range(s.num_slots)]
-    return torch.tensor(per_column, dtype=torch.bool, device=device)
+    return [f for s, f in zip(states, flags) for _ in range(s.num_slots)]
 
 
 def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: float) -> None:
@@ -145,12 +156,20 @@ def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: f
     if not states:
         return
     device = states[0].scale.device
+    flags = _recompute_flags(states, recipe.interval)
+    if host.active(device) and not recipe.uses_callables:
+        host.update_states(states, recipe, fp8_max, flags)
+    else:
+        _update_with_tensors(states, recipe, fp8_max, flags, device)
+    for s in states:
+        s.update_count += 1
+
+
+def _update_with_tensors(states, recipe, fp8_max, flags, device) -> None:
     history = torch.cat([s.amax_history for s in states], dim=1)
     scale = torch.cat([s.scale for s in states])
-    recompute = _recompute_mask(states, recipe.interval, device)
+    recompute = None if flags is None else torch.tensor(flags, dtype=torch.bool, device=device)
     new_history, new_scale = compute_update(history, scale, recipe, fp8_max, recompute)
     sizes = [s.num_slots for s in states]
     torch._foreach_copy_([s.amax_history for s in states], list(new_history.split(sizes, dim=1)))
     torch._foreach_copy_([s.scale for s in states], list(new_scale.split(sizes)))
-    for s in states:
-        s.update_count += 1

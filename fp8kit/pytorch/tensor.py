@@ -19,9 +19,10 @@ class Float8Tensor:
         in modules; `dequantize()` itself defaults to float32).
     """
 
-    __slots__ = ("data", "scale_inv", "dtype", "_values")
+    __slots__ = ("data", "scale_inv", "dtype", "_values", "scale_inv_value")
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: Optional[torch.dtype] = None):
+    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: Optional[torch.dtype] = None,
+                 scale_inv_value: Optional[float] = None):
         if data.dtype not in FP8_DTYPES:
             raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
         if scale_inv.dtype != torch.float32 or scale_inv.numel() != 1:
@@ -33,6 +34,8 @@ class Float8Tensor:
         self.scale_inv = scale_inv
         self.dtype = dtype if dtype is not None else torch.float32
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
+        # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
+        self.scale_inv_value = scale_inv_value
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -60,7 +63,7 @@ class Float8Tensor:
 
     def t(self) -> "Float8Tensor":
         """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared."""
-        out = Float8Tensor(self.data.t(), self.scale_inv, self.dtype)
+        out = Float8Tensor(self.data.t(), self.scale_inv, self.dtype, self.scale_inv_value)
         if self._values is not None:
             out._values = self._values.t()
         return out

@@ -96,6 +96,7 @@ class _LinearFunction(torch.autograd.Function):
             w_fp8.scale_inv if dgrad else None,
         )
         ctx.plan = plan
+        ctx.inv_values = (x_fp8.scale_inv_value if wgrad else None, w_fp8.scale_inv_value if dgrad else None)
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
         return y
@@ -121,7 +122,7 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
             if dgrad:
-                dx = gemm(dy_fp8, Float8Tensor(w_saved, w_inv), x_dtype)
+                dx = gemm(dy_fp8, Float8Tensor(w_saved, w_inv, None, ctx.inv_values[1]), x_dtype)
             else:
                 dx = dy @ w_saved
             if tp is not None and tp.mode == "column":  # partial sums over the output shards
@@ -129,7 +130,7 @@ class _LinearFunction(torch.autograd.Function):
                     else all_reduce_sum(dx, tp.group)
         if ctx.needs_input_grad[1]:
             if wgrad:
-                dw = gemm(dy_fp8.t(), Float8Tensor(x_saved, x_inv), w_dtype)
+                dw = gemm(dy_fp8.t(), Float8Tensor(x_saved, x_inv, None, ctx.inv_values[0]), w_dtype)
             else:
                 dw = dy.t() @ x_saved
         if ctx.has_bias and ctx.needs_input_grad[2]:

@@ -1,0 +1,139 @@
+"""The CPU fast path for FP8 bookkeeping: scale math on Python floats and history updates in NumPy.
+
+On a CPU every torch operation costs a few microseconds of dispatch, which dominates the cost of a small layer.
+The scale rules and the delayed-scaling update work on a handful of numbers, so on CPU tensors they run here, on
+Python floats rounded to float32 and on NumPy views of the state tensors, with results bit-identical to the
+tensor path (`cast.scale_from_amax`, `state.compute_update`), which accelerators and user callables keep using.
+
+Exactness: every value is a float32; a quotient of two float32 values computed in float64 and rounded once to
+float32 equals the float32 quotient (53 >= 2 * 24 + 2 bits, so the double rounding is innocuous), NumPy float32
+arithmetic is IEEE float32, and a power of two times a float32 is exact unless it under- or overflows (handled).
+
+`tensor_path()` turns the fast path off in a scope (tests compare both paths).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+
+from ..recipe import FLT_MAX
+
+_ENABLED = True
+_MIN_NORMAL = 2.0 ** -126
+
+
+def active(device: torch.device) -> bool:
+    """True when bookkeeping for tensors on `device` runs on the host fast path (CPU tensors, path enabled)."""
+    return _ENABLED and device.type == "cpu"
+
+
+@contextlib.contextmanager
+def tensor_path() -> Iterator[None]:
+    """Run every scale rule and state update through torch operations in this scope (as on accelerators)."""
+    global _ENABLED
+    old, _ENABLED = _ENABLED, False
+    try:
+        yield
+    finally:
+        _ENABLED = old
+
+
+def f32(value: float) -> float:
+    """`value` rounded to the nearest float32 (overflow gives +-inf)."""
+    if abs(value) > FLT_MAX:
+        # beyond FLT_MAX by less than half an ulp still rounds to FLT_MAX
+        return math.copysign(FLT_MAX if abs(value) < FLT_MAX + 2.0 ** 103 else math.inf, value)
+    return float(np.float32(value))
+
+
+def amax(x: torch.Tensor) -> float:
+    """`max |x|` over the non-NaN elements of a CPU tensor, as a Python float (0 for empty or all-NaN)."""
+    if x.numel() == 0:
+        return 0.0
+    lo, hi = torch.aminmax(x)
+    a = max(float(hi), -float(lo))
+    if a != a:  # a NaN somewhere: take the slow, NaN-ignoring path
+        a = float(torch.where(torch.isnan(x), 0, x.abs()).amax())
+    return a if x.dtype != torch.float64 else f32(a)
+
+
+def scale_from_amax(amax_value: float, scaled_max: float, fallback: float, power_2: bool = False) -> float:
+    """`cast.scale_from_amax` for one float32 amax: `float32(scaled_max) / amax` where amax is finite and > 0,
+    FLT_MAX for an infinite quotient, optionally rounded down to a power of two; `fallback` otherwise."""
+    if not (0 < amax_value < math.inf):
+        return fallback
+    q = f32(f32(scaled_max) / amax_value)
+    if q > FLT_MAX:
+        q = FLT_MAX
+    if power_2 and q >= _MIN_NORMAL:
+        q = math.ldexp(0.5, math.frexp(q)[1])  # clears the mantissa; a subnormal scale is kept as it is
+    return q
+
+
+def current_scale(amax_value: float, fp8_max: float, amax_epsilon: float, power_2: bool) -> float:
+    """`cast.current_scale` from an amax already taken: epsilon floor (in float32), then the scale rule."""
+    if amax_epsilon > 0:
+        amax_value = max(amax_value, f32(amax_epsilon))
+    return scale_from_amax(amax_value, fp8_max, 1.0, power_2)
+
+
+def reciprocal(scale: float) -> float:
+    """`float32(1 / scale)` for a float32 scale."""
+    return f32(1.0 / scale)
+
+
+# ---- the delayed-scaling update on NumPy views ----------------------------------------------------------------
+
+def compute_update(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
+                   recompute: Optional[np.ndarray] = None):
+    """`state.compute_update` for built-in algorithms, on float32 NumPy arrays. Returns (history, scale)."""
+    last = history[0]
+    used = last != 0
+    if recipe.amax_compute_algo == "most_recent":
+        amax_v = last
+    else:
+        # NaN-ignoring max; a column whose max is NaN (all NaN) or <= 0 keeps its scale either way
+        amax_v = np.fmax.reduce(history, axis=0)
+    change = used & (amax_v > 0) & (amax_v < math.inf)
+    if recompute is not None:
+        change &= recompute
+    new_scale = scale.copy()
+    if change.any():
+        # float64 quotients of float32 values, clamped, then rounded once: the float32 quotient, inf -> FLT_MAX
+        q = np.divide(f32(fp8_max * 2.0 ** (-recipe.margin)), amax_v, out=np.ones(amax_v.shape), where=change,
+                      dtype=np.float64)
+        q = np.minimum(q, FLT_MAX).astype(np.float32)
+        if recipe.power_2_scale:
+            rounded = (q.view(np.int32) & np.int32(0x7F800000)).view(np.float32)
+            q = np.where(rounded == 0, q, rounded)
+        np.copyto(new_scale, q, where=change)
+    rolled = np.empty_like(history)  # [0, history[2:], history[0]]
+    rolled[1:-1] = history[2:]
+    rolled[-1] = last
+    rolled[0] = 0
+    if not used.all():
+        rolled = np.where(used, rolled, history)
+    return rolled, new_scale
+
+
+def update_states(states: Sequence, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
+    """`state.update_states` on CPU states (recipes without callables); `recompute` per column or None."""
+    hists = [s.amax_history.numpy() for s in states]
+    scales = [s.scale.numpy() for s in states]
+    if len(states) == 1:
+        history, scale = hists[0], scales[0]
+    else:
+        history, scale = np.concatenate(hists, axis=1), np.concatenate(scales)
+    mask = None if recompute is None else np.array(recompute, dtype=bool)
+    new_history, new_scale = compute_update(history, scale, recipe, fp8_max, mask)
+    offset = 0
+    for h, s in zip(hists, scales):
+        n = s.shape[0]
+        h[...] = new_history[:, offset:offset + n]
+        s[...] = new_scale[offset:offset + n]
+        offset += n
