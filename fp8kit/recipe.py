@@ -63,6 +63,21 @@ def _check_no_attention(recipe: Any) -> None:
             )
 
 
+def _hash_once(recipe) -> int:
+    """Recipes key the autocast registry and are hashed several times per step: hash the fields once."""
+    h = recipe.__dict__.get("_hash")
+    if h is None:
+        h = hash(tuple(getattr(recipe, f.name) for f in dataclasses.fields(recipe)))
+        object.__setattr__(recipe, "_hash", h)
+    return h
+
+
+def _state_without_hash(recipe) -> dict:
+    state = dict(recipe.__dict__)
+    state.pop("_hash", None)  # callables hash by identity: another process recomputes
+    return state
+
+
 @dataclasses.dataclass(frozen=True)
 class DelayedScaling:
     """Delayed scaling: each tensor is cast with a scale derived from its amax history.
@@ -115,6 +130,9 @@ class DelayedScaling:
         _check_bool("power_2_scale", self.power_2_scale)
         _check_no_attention(self)
 
+    __hash__ = _hash_once
+    __getstate__ = _state_without_hash
+
     def delayed(self) -> bool:
         return True
 
@@ -158,6 +176,9 @@ class Float8CurrentScaling:
             _fail("override_linear_precision", f"expected three bools (fprop, dgrad, wgrad), got {olp!r}")
         object.__setattr__(self, "override_linear_precision", tuple(olp))
         _check_no_attention(self)
+
+    __hash__ = _hash_once
+    __getstate__ = _state_without_hash
 
     def delayed(self) -> bool:
         return False

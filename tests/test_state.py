@@ -1,5 +1,6 @@
 """The batched delayed-scaling update against tests/reference.py, and its cost in dispatched operations."""
 
+import contextlib
 import math
 
 import numpy as np
@@ -236,3 +237,24 @@ def test_host_and_tensor_paths_agree_bit_for_bit():
                                       None if mask is None else torch.from_numpy(mask))
             np.testing.assert_array_equal(h_np.view(np.int32), h_t.numpy().view(np.int32))
             np.testing.assert_array_equal(s_np.view(np.int32), s_t.numpy().view(np.int32))
+
+
+@pytest.mark.parametrize("count", [2, 40])  # few columns: state by state; many: one batched NumPy update
+def test_host_update_of_many_states_equals_tensor_path(count, path):
+    if path == "tensor":
+        pytest.skip("compares the two paths itself")
+    recipe = DelayedScaling(amax_history_len=4, interval=2)
+    rng = np.random.default_rng(count)
+    runs = {}
+    for name in ("host", "tensor"):
+        states = [ScalingState(3, 4) for _ in range(count)]
+        states[1].update_count = 1  # mixed interval phases
+        with contextlib.nullcontext() if name == "host" else host.tensor_path():
+            for values in magnitudes(8, 3 * count, seed=count):
+                for i, s in enumerate(states):
+                    for j in range(3):
+                        s.record(j, torch.tensor(values[3 * i + j]))
+                update_states(states, recipe, 57344.0)
+        runs[name] = [(s.amax_history.clone(), s.scale.clone()) for s in states]
+    for (h1, s1), (h2, s2) in zip(runs["host"], runs["tensor"]):
+        assert torch.equal(h1.view(torch.int32), h2.view(torch.int32)) and torch.equal(s1, s2)

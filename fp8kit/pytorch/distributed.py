@@ -286,7 +286,7 @@ def all_gather_fp8(q: Float8Tensor, group) -> Float8Tensor:
     """All-gather a Float8Tensor along dim 0 as FP8 bytes (uint8 on the wire). Every rank must have cast with the
     same scale; the result carries this rank's `scale_inv`."""
     data = gather_along_first_dim(q.data.contiguous().view(torch.uint8), group)
-    return Float8Tensor(data.view(q.fp8_dtype), q.scale_inv, q.dtype)
+    return Float8Tensor(data.view(q.fp8_dtype), q._scale_inv, q.dtype, q.scale_inv_value)
 
 
 def reduce_scatter_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:

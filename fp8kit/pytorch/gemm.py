@@ -59,16 +59,22 @@ def _emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
         base = bias if bias is not None else _ZERO_BF16
         return torch.addmm(base, a.values(torch.bfloat16), b.values(torch.bfloat16),
                            beta=1 if bias is not None else 0, alpha=alpha)
-    out = torch.mm(a.values(torch.float32), b.values(torch.float32))
-    out.mul_(alpha if scale is None else scale)
-    if bias is not None:
-        out.add_(bias.float())
+    if scale is None:  # alpha is a float: one addmm
+        base = bias.float() if bias is not None else _ZERO_F32
+        out = torch.addmm(base, a.values(torch.float32), b.values(torch.float32),
+                          beta=1 if bias is not None else 0, alpha=alpha)
+    else:
+        out = torch.mm(a.values(torch.float32), b.values(torch.float32))
+        out.mul_(scale)
+        if bias is not None:
+            out.add_(bias.float())
     return out.to(out_dtype)
 
 
 # Below this many multiply-adds a float32 GEMM beats a bf16 one on CPUs (its fixed cost is lower).
 _BF16_GEMM_MIN_MACS = 1 << 24
 _ZERO_BF16 = torch.zeros((), dtype=torch.bfloat16)
+_ZERO_F32 = torch.zeros((), dtype=torch.float32)
 
 
 def _pad_inner(a: torch.Tensor, b: torch.Tensor):

@@ -122,13 +122,19 @@ def compute_update(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: floa
 
 
 def update_states(states: Sequence, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
-    """`state.update_states` on CPU states (recipes without callables); `recompute` per column or None."""
-    hists = [s.amax_history.numpy() for s in states]
-    scales = [s.scale.numpy() for s in states]
-    if len(states) == 1:
-        history, scale = hists[0], scales[0]
-    else:
-        history, scale = np.concatenate(hists, axis=1), np.concatenate(scales)
+    """`state.update_states` on CPU states (recipes without callables); `recompute` per column or None.
+
+    A few columns are updated state by state in place with the scale rule on Python floats (fewest calls); many
+    are concatenated and updated as one NumPy problem."""
+    if sum(s.num_slots for s in states) <= _SMALL_UPDATE:
+        offset = 0
+        for s in states:
+            n = s.num_slots
+            _update_one(s, recipe, fp8_max, None if recompute is None else recompute[offset:offset + n])
+            offset += n
+        return
+    hists, scales = zip(*(s.host_views() for s in states))
+    history, scale = np.concatenate(hists, axis=1), np.concatenate(scales)
     mask = None if recompute is None else np.array(recompute, dtype=bool)
     new_history, new_scale = compute_update(history, scale, recipe, fp8_max, mask)
     offset = 0
@@ -137,3 +143,30 @@ def update_states(states: Sequence, recipe, fp8_max: float, recompute: Optional[
         h[...] = new_history[:, offset:offset + n]
         s[...] = new_scale[offset:offset + n]
         offset += n
+
+
+_SMALL_UPDATE = 24  # columns
+
+
+def _update_one(state, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
+    history, scale = state.host_views()
+    lasts = history[0].tolist()
+    amaxes = lasts if recipe.amax_compute_algo == "most_recent" else np.fmax.reduce(history, axis=0).tolist()
+    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
+    old = scale.tolist()
+    used = [v != 0 for v in lasts]  # NaN counts as used
+    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
+           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
+    if new != old:
+        scale[:] = new
+    if all(used):  # roll in place: [0, history[2:], history[0]]
+        first = history[0].copy()
+        history[1:-1] = history[2:]
+        history[-1] = first
+        history[0] = 0
+    else:
+        rolled = np.empty_like(history)
+        rolled[1:-1] = history[2:]
+        rolled[-1] = history[0]
+        rolled[0] = 0
+        history[...] = np.where(np.array(used), rolled, history)

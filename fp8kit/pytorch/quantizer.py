@@ -23,7 +23,7 @@ class DelayedQuantizer:
         if host.active(x.device):
             a = host.amax(x)
             self.state.record(self.slot, a)
-            scale = float(self.state.scale_values()[self.slot])
+            scale = float(self.state.host_views()[1][self.slot])
             q = cast_host(x, scale, self.fp8_dtype, a)
             if self.stats is not None:
                 self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),

@@ -26,13 +26,37 @@ class ScalingState:
       update_count: how many updates this state has taken part in (drives `interval`).
     """
 
-    __slots__ = ("amax_history", "scale", "update_count", "key", "__weakref__")
+    __slots__ = ("_history", "_scale", "_views", "update_count", "key", "__weakref__")
 
     def __init__(self, num_slots: int, length: int, device=None):
         self.amax_history = torch.zeros(length, num_slots, dtype=torch.float32, device=device)
         self.scale = torch.ones(num_slots, dtype=torch.float32, device=device)
         self.update_count = 0
         self.key = None  # the registry key this state is registered under
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        return self._history
+
+    @amax_history.setter
+    def amax_history(self, value: torch.Tensor) -> None:
+        self._history, self._views = value, None
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale
+
+    @scale.setter
+    def scale(self, value: torch.Tensor) -> None:
+        self._scale, self._views = value, None
+
+    def host_views(self):
+        """(amax_history, scale) as NumPy arrays sharing memory with the tensors (CPU states only; the host fast
+        path), made once per tensor."""
+        views = self._views
+        if views is None:
+            views = self._views = (self._history.numpy(), self._scale.numpy())
+        return views
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -51,15 +75,11 @@ class ScalingState:
         self.amax_history = self.amax_history.to(device)
         self.scale = self.scale.to(device)
 
-    def scale_values(self):
-        """The scales as a NumPy array sharing memory with `scale` (CPU states only; the host fast path)."""
-        return self.scale.numpy()
-
     def record(self, slot: int, amax) -> None:
         """Max-accumulate a cast's amax (a 0-d tensor, or a float for a CPU state) into the staging row,
         NaN-ignoring."""
         if isinstance(amax, float):
-            row = self.amax_history.numpy()[0]
+            row = self.host_views()[0][0]
             if amax == amax and not amax <= row[slot]:  # also replaces a NaN staging value
                 row[slot] = amax
             return

@@ -19,23 +19,33 @@ class Float8Tensor:
         in modules; `dequantize()` itself defaults to float32).
     """
 
-    __slots__ = ("data", "scale_inv", "dtype", "_values", "scale_inv_value")
+    __slots__ = ("data", "_scale_inv", "dtype", "_values", "scale_inv_value")
 
-    def __init__(self, data: torch.Tensor, scale_inv: torch.Tensor, dtype: Optional[torch.dtype] = None,
+    def __init__(self, data: torch.Tensor, scale_inv: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None,
                  scale_inv_value: Optional[float] = None):
         if data.dtype not in FP8_DTYPES:
             raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
-        if scale_inv.dtype != torch.float32 or scale_inv.numel() != 1:
+        if scale_inv is None:
+            if scale_inv_value is None:
+                raise TypeError("Float8Tensor needs scale_inv (a tensor) or scale_inv_value (a float)")
+        elif scale_inv.dtype != torch.float32 or scale_inv.numel() != 1:
             raise TypeError(
                 f"Float8Tensor scale_inv must be one float32 element, got {scale_inv.dtype} of shape "
                 f"{tuple(scale_inv.shape)}"
             )
         self.data = data
-        self.scale_inv = scale_inv
+        self._scale_inv = scale_inv
         self.dtype = dtype if dtype is not None else torch.float32
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
         self.scale_inv_value = scale_inv_value
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """float32 0-d (or one-element) tensor, `float32(1 / scale)`."""
+        if self._scale_inv is None:  # made by the CPU fast path from the float
+            self._scale_inv = torch.scalar_tensor(self.scale_inv_value, dtype=torch.float32, device=self.data.device)
+        return self._scale_inv
 
     @property
     def fp8_dtype(self) -> torch.dtype:
@@ -63,7 +73,7 @@ class Float8Tensor:
 
     def t(self) -> "Float8Tensor":
         """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared."""
-        out = Float8Tensor(self.data.t(), self.scale_inv, self.dtype, self.scale_inv_value)
+        out = Float8Tensor(self.data.t(), self._scale_inv, self.dtype, self.scale_inv_value)
         if self._values is not None:
             out._values = self._values.t()
         return out

@@ -91,9 +91,9 @@ class _LinearFunction(torch.autograd.Function):
         # Save FP8 operands where the backward GEMM is FP8, high-precision ones only where it is not.
         ctx.save_for_backward(
             x_fp8.data if wgrad else x,
-            x_fp8.scale_inv if wgrad else None,
+            x_fp8._scale_inv if wgrad else None,
             w_fp8.data if dgrad else weight,
-            w_fp8.scale_inv if dgrad else None,
+            w_fp8._scale_inv if dgrad else None,
         )
         ctx.plan = plan
         ctx.inv_values = (x_fp8.scale_inv_value if wgrad else None, w_fp8.scale_inv_value if dgrad else None)
@@ -223,7 +223,10 @@ class Linear(FP8StateMixin, torch.nn.Linear):
         if frame.records_amax:
             frame.step.forward_called(frame.key, needs_backward)
         plan = _Plan(input_q, weight_q, grad_q, fp8, not frame.enabled, cached, frame.step, track, tp)
-        with torch.autocast(x.device.type, enabled=False):
+        if torch.is_autocast_enabled(x.device.type):  # the operands are cast already; the GEMMs pick their dtypes
+            with torch.autocast(x.device.type, enabled=False):
+                y = _LinearFunction.apply(x, weight, bias, plan)
+        else:
             y = _LinearFunction.apply(x, weight, bias, plan)
         if is_first_microbatch is not None and frame.enabled:
             self._weight_fp8 = plan.weight_fp8
