@@ -244,7 +244,6 @@ def test_host_update_of_many_states_equals_tensor_path(count, path):
     if path == "tensor":
         pytest.skip("compares the two paths itself")
     recipe = DelayedScaling(amax_history_len=4, interval=2)
-    rng = np.random.default_rng(count)
     runs = {}
     for name in ("host", "tensor"):
         states = [ScalingState(3, 4) for _ in range(count)]
