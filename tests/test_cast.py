@@ -267,20 +267,3 @@ def test_cuda_cast_matches_cpu(fmt):
     q_cpu, q_gpu = quantize(y, FORMATS[fmt]), quantize(y.cuda(), FORMATS[fmt])
     assert torch.equal(q_gpu.data.view(torch.uint8).cpu(), q_cpu.data.view(torch.uint8))
 
-
-
-@pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_values_for_the_cpu_gemm_equal_the_conversion(fmt, dtype):
-    """Float8Tensor.values widens small CPU tensors through a table; every byte, in any layout, as torch's cast."""
-    fp8 = FORMATS[fmt]
-    codes = torch.arange(256, dtype=torch.uint8)
-    data = torch.cat([codes, codes.flip(0)]).reshape(16, 32).view(fp8)
-    for d in (data, data.t(), data[:, ::3]):
-        got = Float8Tensor(d, torch.ones(())).values(dtype)
-        want = d.to(dtype)
-        assert got.shape == want.shape
-        int_view = torch.int32 if dtype == torch.float32 else torch.int16
-        assert torch.equal(got.contiguous().view(int_view), want.contiguous().view(int_view))
-    big = torch.randint(0, 256, (300, 200), dtype=torch.uint8).view(fp8)  # above the table's size limit
-    assert torch.equal(Float8Tensor(big, torch.ones(())).values(dtype).nan_to_num(), big.to(dtype).nan_to_num())

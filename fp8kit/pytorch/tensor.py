@@ -68,7 +68,7 @@ class Float8Tensor:
         tensor used by two GEMMs (grad_output in dgrad and wgrad) is converted once."""
         cached = self._values
         if cached is None or cached.dtype != dtype:
-            cached = self._values = _widen(self.data, dtype)
+            cached = self._values = self.data.to(dtype)
         return cached
 
     def t(self) -> "Float8Tensor":
@@ -83,19 +83,3 @@ class Float8Tensor:
             f"Float8Tensor(shape={tuple(self.shape)}, fp8_dtype={self.fp8_dtype}, "
             f"scale_inv={self.scale_inv.item():.6g}, dtype={self.dtype})"
         )
-
-
-# Small CPU tensors widen through a 256-entry table: torch's per-element FP8 conversion loop costs several times
-# more than a gather. Large ones use the conversion, which torch parallelises.
-_TABLE_MAX_NUMEL = 1 << 15
-_TABLES = {}
-
-
-def _widen(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    if data.device.type != "cpu" or data.numel() > _TABLE_MAX_NUMEL:
-        return data.to(dtype)
-    table = _TABLES.get((data.dtype, dtype))
-    if table is None:
-        table = _TABLES[(data.dtype, dtype)] = torch.arange(256, dtype=torch.uint8).view(data.dtype).to(dtype)
-    codes = data.view(torch.uint8).reshape(-1).int()
-    return table.index_select(0, codes).view(data.shape)
