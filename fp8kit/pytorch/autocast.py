@@ -41,7 +41,8 @@ class _KeyStates:
 
     def live(self, which: str, key) -> List[ScalingState]:
         refs = getattr(self, which)
-        states = [s for s in (r() for r in refs) if s is not None and s.key == key]
+        states = [r() for r in refs]
+        states = [s for s in states if s is not None and s.key == key]
         if len(states) != len(refs):  # drop states of deleted or re-registered modules
             setattr(self, which, [weakref.ref(s) for s in states])
             self.version += 1
@@ -141,13 +142,21 @@ def registry_states(recipe: Recipe, group=None) -> Tuple[List[ScalingState], Lis
 
 
 def _reduce_group(recipe: DelayedScaling, group):
-    if not recipe.reduce_amax:
-        return None
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
+    if not recipe.reduce_amax or not _dist_initialized():
         return None
     return True if group is None else group
+
+
+_DIST = []  # torch.distributed once imported (it is not imported with torch on every build)
+
+
+def _dist_initialized() -> bool:
+    if not _DIST:
+        import torch.distributed as dist
+
+        _DIST.append(dist)
+    dist = _DIST[0]
+    return dist.is_available() and dist.is_initialized()
 
 
 def _reduces(key) -> bool:

@@ -151,7 +151,12 @@ _SMALL_UPDATE = 24  # columns
 def _update_one(state, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
     history, scale = state.host_views()
     lasts = history[0].tolist()
-    amaxes = lasts if recipe.amax_compute_algo == "most_recent" else np.fmax.reduce(history, axis=0).tolist()
+    if recipe.amax_compute_algo == "most_recent":
+        amaxes = lasts
+    else:
+        amaxes = history.max(axis=0).tolist()
+        if any(a != a for a in amaxes):  # a NaN in the history: the NaN-ignoring max
+            amaxes = np.fmax.reduce(history, axis=0).tolist()
     scaled_max = fp8_max * 2.0 ** (-recipe.margin)
     old = scale.tolist()
     used = [v != 0 for v in lasts]  # NaN counts as used
@@ -159,14 +164,22 @@ def _update_one(state, recipe, fp8_max: float, recompute: Optional[List[bool]]) 
            for a, o, u, r in zip(amaxes, old, used, recompute or used)]
     if new != old:
         scale[:] = new
-    if all(used):  # roll in place: [0, history[2:], history[0]]
-        first = history[0].copy()
-        history[1:-1] = history[2:]
-        history[-1] = first
-        history[0] = 0
+    count = used.index(False) if False in used else len(used)
+    if not any(used[count:]):  # the used columns come first (e.g. a Linear's unused output slot last)
+        _roll_in_place(history[:, :count])
     else:
         rolled = np.empty_like(history)
         rolled[1:-1] = history[2:]
         rolled[-1] = history[0]
         rolled[0] = 0
         history[...] = np.where(np.array(used), rolled, history)
+
+
+def _roll_in_place(history: np.ndarray) -> None:
+    """`[0, history[2:], history[0]]`, in place."""
+    if history.shape[1] == 0:
+        return
+    first = history[0].copy()
+    history[1:-1] = history[2:]
+    history[-1] = first
+    history[0] = 0

@@ -9,6 +9,7 @@ from typing import Tuple
 import torch
 
 from ..autocast import Frame, has_pending_backward, register
+from ..distributed import label_states
 from ..state import ScalingState, resized_history
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
@@ -29,8 +30,14 @@ class FP8StateMixin:
     def fp8_states(self, frame: Frame, device: torch.device) -> Tuple[ScalingState, ScalingState]:
         """The (forward, backward) states for a delayed-scaling frame: created, resized to the recipe's history
         length, moved to `device` and registered under the frame's key as needed."""
-        length = frame.recipe.amax_history_len
         meta = self.fp8_meta
+        fwd, bwd = meta["scaling_fwd"], meta["scaling_bwd"]
+        key = frame.key
+        if fwd is not None and bwd is not None and fwd.key == key and bwd.key == key \
+                and fwd.scale.device == device and bwd.scale.device == device:
+            meta["recipe"] = frame.recipe  # registered under this key, so sized for its recipe already
+            return fwd, bwd
+        length = frame.recipe.amax_history_len
         for name, per_gemm in _PASSES:
             state = meta[name]
             if state is None:
@@ -42,6 +49,9 @@ class FP8StateMixin:
                 state.to_(device)
         meta["recipe"] = frame.recipe
         register(frame, meta["scaling_fwd"], meta["scaling_bwd"])
+        label = getattr(self, "_fp8_label", None)
+        if label is not None:  # names the module in registration-mismatch messages
+            label_states(label, meta["scaling_fwd"], meta["scaling_bwd"])
         return meta["scaling_fwd"], meta["scaling_bwd"]
 
     # ---- checkpoints: plain tensors under `<prefix>fp8_meta.<pass>.<field>` ----------------------------------

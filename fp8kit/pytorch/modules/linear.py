@@ -34,7 +34,6 @@ from ..distributed import (
     all_reduce_sum,
     check_shared_scales,
     gather_along_first_dim,
-    label_states,
     reduce_scatter_along_first_dim,
     tensor_parallel,
 )
@@ -202,7 +201,8 @@ class Linear(FP8StateMixin, torch.nn.Linear):
             if tp is None:
                 return F.linear(inp, self.weight, self.bias)
             return self._forward_high_precision(inp)
-        inp, weight, bias = self._operands(inp)
+        autocast_on = torch.is_autocast_enabled(inp.device.type)
+        inp, weight, bias = self._operands(inp, autocast_on)
         leading = inp.shape[:-1]
         x = inp.reshape(-1, self._local_in_features)
         recipe = frame.recipe
@@ -223,7 +223,7 @@ class Linear(FP8StateMixin, torch.nn.Linear):
         if frame.records_amax:
             frame.step.forward_called(frame.key, needs_backward)
         plan = _Plan(input_q, weight_q, grad_q, fp8, not frame.enabled, cached, frame.step, track, tp)
-        if torch.is_autocast_enabled(x.device.type):  # the operands are cast already; the GEMMs pick their dtypes
+        if autocast_on:  # the operands are cast already; the GEMMs pick their dtypes
             with torch.autocast(x.device.type, enabled=False):
                 y = _LinearFunction.apply(x, weight, bias, plan)
         else:
@@ -265,7 +265,7 @@ class Linear(FP8StateMixin, torch.nn.Linear):
         if self.bias is not None:
             torch.nn.init.uniform_(self.bias, -bound, bound)
 
-    def _operands(self, inp: torch.Tensor):
+    def _operands(self, inp: torch.Tensor, autocast_on: Optional[bool] = None):
         if not isinstance(inp, torch.Tensor) or not inp.is_floating_point():
             raise TypeError(f"Linear: input must be a floating tensor, got {getattr(inp, 'dtype', type(inp))}")
         if inp.shape[-1:] != (self._local_in_features,):
@@ -281,7 +281,9 @@ class Linear(FP8StateMixin, torch.nn.Linear):
                 raise ValueError(f"Linear(parallel_mode='row', sequence_parallel=True): the sequence dimension "
                                  f"({inp.shape[0]}) must be divisible by the tensor-parallel size {tp.size}")
         weight, bias = self.weight, self.bias
-        if torch.is_autocast_enabled(inp.device.type):
+        if autocast_on is None:
+            autocast_on = torch.is_autocast_enabled(inp.device.type)
+        if autocast_on:
             dtype = torch.get_autocast_dtype(inp.device.type)
             inp, weight = inp.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
@@ -300,7 +302,6 @@ class Linear(FP8StateMixin, torch.nn.Linear):
         fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
         if isinstance(recipe, DelayedScaling):
             fwd, bwd = self.fp8_states(frame, device)
-            label_states(self._fp8_label, fwd, bwd)
             return DelayedQuantizer(fwd, 0, fwd_dtype), DelayedQuantizer(fwd, 1, fwd_dtype), \
                 DelayedQuantizer(bwd, 0, bwd_dtype)
         eps, pow2 = recipe.amax_epsilon, recipe.use_power_2_scales
