@@ -267,3 +267,33 @@ def test_cuda_cast_matches_cpu(fmt):
     q_cpu, q_gpu = quantize(y, FORMATS[fmt]), quantize(y.cuda(), FORMATS[fmt])
     assert torch.equal(q_gpu.data.view(torch.uint8).cpu(), q_cpu.data.view(torch.uint8))
 
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_values_for_the_cpu_gemm_equal_the_conversion(fmt, dtype):
+    """Float8Tensor.values widens large CPU tensors by bit manipulation: every finite code, in any layout, must come
+    out as torch's own conversion gives it; NaN codes and flush-to-zero mode fall back to that conversion."""
+    from fp8kit.pytorch.tensor import _BY_BITS_MIN_NUMEL
+
+    codes = torch.arange(256, dtype=torch.uint8).repeat(_BY_BITS_MIN_NUMEL // 256 * 2)
+    fp8 = codes.view(FORMATS[fmt])
+    finite = fp8[torch.isfinite(fp8.float())].reshape(-1, 64)
+    int_view = torch.int32 if dtype == torch.float32 else torch.int16
+
+    def check(data):
+        got = Float8Tensor(data, torch.ones(())).values(dtype)
+        want = data.to(dtype)
+        assert got.shape == want.shape and got.dtype == dtype
+        assert torch.equal(got.isnan(), want.isnan())
+        nan = want.isnan()
+        assert torch.equal(got[~nan].view(int_view), want[~nan].view(int_view))
+
+    for data in (finite, finite.t(), finite[:, 1::2]):
+        check(data)
+    check(fp8.reshape(-1, 64))  # NaN codes present: torch's conversion
+    torch.set_flush_denormal(True)
+    try:
+        check(finite)
+    finally:
+        torch.set_flush_denormal(False)
