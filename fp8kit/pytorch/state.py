@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from ..recipe import DelayedScaling
-from . import host
+from . import host, kernels
 from .cast import scale_from_amax
 
 
@@ -179,6 +179,10 @@ def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: f
     flags = _recompute_flags(states, recipe.interval)
     if host.active(device) and not recipe.uses_callables:
         host.update_states(states, recipe, fp8_max, flags)
+    elif not recipe.uses_callables and kernels.enabled() and kernels.available(device):  # one launch
+        per_state = None if flags is None else [s.update_count % recipe.interval == 0 for s in states]
+        kernels.update_tensors([s.amax_history for s in states], [s.scale for s in states], recipe, fp8_max,
+                               per_state)
     else:
         _update_with_tensors(states, recipe, fp8_max, flags, device)
     for s in states:

@@ -1,0 +1,118 @@
+"""Fused Triton kernels for the FP8 cast, amax and delayed-scaling update (opt-in; see docs/kernels.md).
+
+The kernels compute the same bytes as the torch path in `fp8kit.pytorch.cast` and `fp8kit.pytorch.state`.
+They are OFF by default: turn them on with the environment variable `FP8KIT_TRITON=1` or `set_enabled(True)`, and
+dispatch to them only where `enabled() and available(x.device)`.
+
+Triton is imported lazily: importing this package needs only torch. CUDA tensors run compiled kernels (compute
+capability 8.9 or newer); CPU tensors run the same kernels in Triton's interpreter when `TRITON_INTERPRET=1` is set
+(slow; meant for tests). The two variants are separate module objects (`kernel_module`), so both can be used in one
+process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+import threading
+from typing import Optional
+
+import torch
+
+from .ops import amax, cast, cast_amax, current_cast, update, update_tensors
+
+__all__ = ["enabled", "set_enabled", "available", "use_for", "interpreter_on", "kernel_module", "cast_amax", "cast",
+           "amax", "current_cast", "update", "update_tensors"]
+
+_TRUE = ("1", "true", "yes", "on")
+_enabled: Optional[bool] = None  # None: follow FP8KIT_TRITON
+_modules: dict = {}
+_lock = threading.Lock()
+_triton_ok: Optional[bool] = None
+_capability: dict = {}  # CUDA device index -> compute capability
+
+
+def enabled() -> bool:
+    """Whether fp8kit should use the Triton kernels: `set_enabled(...)` if called, else `FP8KIT_TRITON` in
+    ("1", "true", "yes", "on"). Default False."""
+    if _enabled is not None:
+        return _enabled
+    return os.environ.get("FP8KIT_TRITON", "").strip().lower() in _TRUE
+
+
+def set_enabled(flag: Optional[bool]) -> None:
+    """Turn the kernels on (True) or off (False); None goes back to reading `FP8KIT_TRITON`."""
+    global _enabled
+    _enabled = None if flag is None else bool(flag)
+
+
+def use_for(x: torch.Tensor) -> bool:
+    """Whether the quantizers should cast `x` with the kernels: enabled, available on its device, and a
+    contiguous tensor of a supported dtype."""
+    return enabled() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous() \
+        and available(x.device)
+
+
+def interpreter_on() -> bool:
+    """Whether `TRITON_INTERPRET` is set to a true value in the environment (kernels then run on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+
+
+def _triton_importable() -> bool:
+    global _triton_ok
+    if _triton_ok is None:
+        try:
+            import triton  # noqa: F401
+            import triton.language  # noqa: F401
+
+            _triton_ok = True
+        except Exception:  # ImportError, or a broken install
+            _triton_ok = False
+    return _triton_ok
+
+
+def available(device) -> bool:
+    """Whether the kernels can run on tensors of `device` (a torch.device or string): Triton importable, and
+    either a CUDA device of compute capability >= 8.9 (native FP8 conversions), or a CPU device with
+    `TRITON_INTERPRET=1` set."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            return False
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if index not in _capability:
+            _capability[index] = torch.cuda.get_device_capability(index)
+        return _capability[index] >= (8, 9) and _triton_importable()
+    if device.type == "cpu":
+        return interpreter_on() and _triton_importable()
+    return False
+
+
+def kernel_module(interpret: bool):
+    """The kernel module `triton_fp8`, loaded with Triton's interpreter on (`interpret=True`, for CPU tensors) or
+    off (compiled, for CUDA tensors), whatever `TRITON_INTERPRET` says now. Each variant is loaded once."""
+    interpret = bool(interpret)
+    with _lock:
+        mod = _modules.get(interpret)
+        if mod is not None:
+            return mod
+        name = f"{__name__}._triton_fp8_{'interpreted' if interpret else 'compiled'}"
+        path = os.path.join(os.path.dirname(__file__), "triton_fp8.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        saved = os.environ.get("TRITON_INTERPRET")
+        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # read by triton.jit when it decorates
+        try:
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        except BaseException:
+            sys.modules.pop(name, None)
+            raise
+        finally:
+            if saved is None:
+                del os.environ["TRITON_INTERPRET"]
+            else:
+                os.environ["TRITON_INTERPRET"] = saved
+        _modules[interpret] = mod
+        return mod
