@@ -72,17 +72,27 @@ def _torch_bf16(shape, device):
     return step
 
 
-def _fp8kit(recipe, with_stats: bool):
+def _fp8kit(recipe, with_stats: bool, triton: bool = False):
     def build(shape, device):
+        from fp8kit.pytorch import kernels
+
+        if triton and not kernels.available(device):
+            raise RuntimeError("the Triton kernels need a CUDA device of compute capability >= 8.9 and triton")
         x, dy = _data(shape, device)
         layer = te.Linear(shape[1], shape[2], device=device, params_dtype=torch.bfloat16)
         if with_stats:
             te.enable_stats(layer)
 
         def step():
-            with te.autocast(recipe=recipe):
-                y = layer(x)
-            y.backward(dy)
+            if triton:
+                kernels.set_enabled(True)
+            try:
+                with te.autocast(recipe=recipe):
+                    y = layer(x)
+                y.backward(dy)
+            finally:
+                if triton:
+                    kernels.set_enabled(None)
         return step
     return build
 
@@ -128,6 +138,8 @@ VARIANTS: List[Tuple[str, Callable]] = [
     ("fp8kit delayed+stats", _fp8kit(DELAYED, True)),
 ]
 PEERS: List[Tuple[str, Callable]] = [
+    ("fp8kit current+triton", _fp8kit(CURRENT, False, triton=True)),  # opt-in kernels (docs/kernels.md)
+    ("fp8kit delayed+triton", _fp8kit(DELAYED, False, triton=True)),
     ("torchao Float8Linear", _torchao),
     ("transformer_engine", _transformer_engine),
 ]
@@ -204,6 +216,15 @@ def bench_quantize(numel: int, device: torch.device, rounds: int, target_ms: flo
         "current scaling (amax + cast)": lambda: te.quantize(x, torch.float8_e4m3fn),
         "known scale (cast only)": lambda: te.quantize(x, torch.float8_e4m3fn, scale),
     }
+    from fp8kit.pytorch import kernels
+
+    if device.type == "cuda" and kernels.available(device):
+        state = torch.zeros((), device=device)
+        cases["triton cast + amax (delayed)"] = lambda: kernels.cast_amax(x, scale, torch.float8_e4m3fn,
+                                                                          amax_out=state)
+        cases["triton amax, cast (current)"] = lambda: kernels.current_cast(x, torch.float8_e4m3fn)
+    copy_case = "device copy (bf16 clone)"  # the bandwidth yardstick, counted as its own 2 + 2 bytes
+    cases[copy_case] = lambda: x.clone()
     moved = numel * (x.element_size() + 1)  # bf16 read once, FP8 written
     rows = []
     iters = {n: _iterations(f, timer, target_ms) for n, f in cases.items()}
@@ -211,9 +232,11 @@ def bench_quantize(numel: int, device: torch.device, rounds: int, target_ms: flo
     for _ in range(rounds):
         for n, f in cases.items():
             samples[n].append(timer(f, iters[n]))
+    copy_gbs = numel * 2 * x.element_size() / (statistics.median(samples[copy_case]) * 1e-3) / 1e9
     for n, s in samples.items():
         ms = statistics.median(s)
-        rows.append({"case": n, "numel": numel, "median_ms": ms, "gb_per_s": moved / (ms * 1e-3) / 1e9})
+        gbs = (numel * 2 * x.element_size() if n == copy_case else moved) / (ms * 1e-3) / 1e9
+        rows.append({"case": n, "numel": numel, "median_ms": ms, "gb_per_s": gbs, "vs_copy": gbs / copy_gbs})
     return rows
 
 
@@ -235,9 +258,10 @@ def format_report(report: dict) -> str:
     for r in report["stats_cost"]:
         lines.append(f"{'x'.join(map(str, r['shape'])):<16} {r['recipe']:<8} {r['off_ms']:>9.3f} {r['on_ms']:>9.3f} "
                      f"{r['ratio']:>6.2f}x")
-    lines += ["", "Quantize a bf16 vector to E4M3 (GB/s = (2 + 1) bytes per element / time)"]
+    lines += ["", "Quantize a bf16 vector to E4M3 (GB/s = (2 + 1) bytes per element / time; the copy: 2 + 2)"]
     for r in report["quantize"]:
-        lines.append(f"{r['case']:<30} {r['numel']:>11,} elements {r['median_ms']:>9.3f} ms {r['gb_per_s']:>8.2f} GB/s")
+        lines.append(f"{r['case']:<30} {r['numel']:>11,} elements {r['median_ms']:>9.3f} ms {r['gb_per_s']:>8.2f} GB/s"
+                     f" {r['vs_copy']:>6.2f}x copy")
     return "\n".join(lines)
 
 

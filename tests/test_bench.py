@@ -32,7 +32,7 @@ def test_linear_rows(report):
 
 def test_peers_are_run_or_skipped_with_a_note(report):
     measured = {r["variant"] for r in report["linear"]}
-    for peer in ("torchao Float8Linear", "transformer_engine"):
+    for peer in ("torchao Float8Linear", "transformer_engine", "fp8kit current+triton", "fp8kit delayed+triton"):
         assert (peer in measured) != (peer in report["skipped"])
     for note in report["skipped"].values():
         assert note
@@ -45,9 +45,13 @@ def test_stats_cost_and_quantize(report):
     for c in costs:
         assert c["ratio"] == c["on_ms"] / c["off_ms"]
     cases = {q["case"]: q for q in report["quantize"]}
-    assert len(cases) == 2
+    assert len(cases) == 3  # no Triton rows without CUDA
+    copy = cases.pop("device copy (bf16 clone)")
+    assert copy["gb_per_s"] == pytest.approx(copy["numel"] * 4 / (copy["median_ms"] * 1e-3) / 1e9)
+    assert copy["vs_copy"] == pytest.approx(1.0)
     for q in cases.values():
         assert q["gb_per_s"] == pytest.approx(q["numel"] * 3 / (q["median_ms"] * 1e-3) / 1e9)
+        assert q["vs_copy"] == pytest.approx(q["gb_per_s"] / copy["gb_per_s"])
     text = bench.format_report(report)
     assert "16x64x64" in text and "GB/s" in text and "emulated" in text
 
