@@ -79,7 +79,7 @@ def test_worked_example_from_the_spec():
         assert state.scale.item() == np.float32(s)
 
 
-@pytest.mark.parametrize("length", [1, 2, 5, 16])
+@pytest.mark.parametrize("length", [1, 2, 5, 16, 100])  # 100 x 3 slots: past the host path's list size
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("margin", [0, 3])
 @pytest.mark.parametrize("fp8_max", [448.0, 57344.0])

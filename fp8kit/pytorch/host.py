@@ -150,6 +150,8 @@ _SMALL_UPDATE = 24  # columns
 
 def _update_one(state, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
     history, scale = state.host_views()
+    if history.size <= _PYTHON_UPDATE:
+        return _update_lists(history, scale, recipe, fp8_max, recompute)
     lasts = history[0].tolist()
     if recipe.amax_compute_algo == "most_recent":
         amaxes = lasts
@@ -183,3 +185,32 @@ def _roll_in_place(history: np.ndarray) -> None:
     history[1:-1] = history[2:]
     history[-1] = first
     history[0] = 0
+
+
+_PYTHON_UPDATE = 256  # history elements up to which one state's update runs on Python lists (fewest NumPy calls)
+
+
+def _update_lists(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
+                  recompute: Optional[List[bool]]) -> None:
+    """`_update_one` on Python lists: one read and one write of each array."""
+    rows = history.tolist()
+    lasts = rows[0]
+    if recipe.amax_compute_algo == "most_recent":
+        amaxes = lasts
+    else:  # NaN-ignoring column maxima (an all-NaN column gives NaN, which keeps the scale)
+        amaxes = [max((v for v in col if v == v), default=math.nan) for col in zip(*rows)]
+    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
+    old = scale.tolist()
+    used = [v != 0 for v in lasts]  # NaN counts as used
+    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
+           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
+    if new != old:
+        scale[:] = new
+    rolled = [[0.0] * len(lasts)] + [list(r) for r in rows[2:]] + [list(lasts)]
+    if len(rows) == 1:
+        rolled = rolled[:1]
+    for j, u in enumerate(used):
+        if not u:
+            for row, old_row in zip(rolled, rows):
+                row[j] = old_row[j]
+    history[...] = rolled

@@ -105,8 +105,11 @@ def _widen(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         codes = data.view(torch.uint8)
         # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)
         if int((codes & 0x7F).max()) < special and float(_SUBNORMAL * 1.0) != 0:
+            if dtype == torch.float32:  # the same in an int32 (float32 has bf16's exponent field)
+                bits = codes.to(torch.int32)
+                bits.bitwise_left_shift_(24).bitwise_right_shift_(shift).bitwise_and_(mask * 0x10000)
+                return bits.view(torch.float32).mul_(multiplier)
             bits = codes.to(torch.int16)
             bits.bitwise_left_shift_(8).bitwise_right_shift_(shift).bitwise_and_(mask)
-            out = bits.view(torch.bfloat16).mul_(multiplier)
-            return out if dtype == torch.bfloat16 else out.float()
+            return bits.view(torch.bfloat16).mul_(multiplier)
     return data.to(dtype)
