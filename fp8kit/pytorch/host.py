@@ -197,8 +197,8 @@ def _update_lists(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float
     lasts = rows[0]
     if recipe.amax_compute_algo == "most_recent":
         amaxes = lasts
-    else:  # NaN-ignoring column maxima (an all-NaN column gives NaN, which keeps the scale)
-        amaxes = [max((v for v in col if v == v), default=math.nan) for col in zip(*rows)]
+    else:  # comparisons with NaN are false, so starting from 0 ignores NaN; a max <= 0 keeps the scale either way
+        amaxes = [max(0.0, *col) for col in zip(*rows)]
     scaled_max = fp8_max * 2.0 ** (-recipe.margin)
     old = scale.tolist()
     used = [v != 0 for v in lasts]  # NaN counts as used
