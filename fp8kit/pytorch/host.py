@@ -159,13 +159,7 @@ def _update_one(state, recipe, fp8_max: float, recompute: Optional[List[bool]]) 
         amaxes = history.max(axis=0).tolist()
         if any(a != a for a in amaxes):  # a NaN in the history: the NaN-ignoring max
             amaxes = np.fmax.reduce(history, axis=0).tolist()
-    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
-    old = scale.tolist()
-    used = [v != 0 for v in lasts]  # NaN counts as used
-    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
-           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
-    if new != old:
-        scale[:] = new
+    used = _update_scales(scale, amaxes, lasts, recipe, fp8_max, recompute)
     count = used.index(False) if False in used else len(used)
     if not any(used[count:]):  # the used columns come first (e.g. a Linear's unused output slot last)
         _roll_in_place(history[:, :count])
@@ -175,6 +169,20 @@ def _update_one(state, recipe, fp8_max: float, recompute: Optional[List[bool]]) 
         rolled[-1] = history[0]
         rolled[0] = 0
         history[...] = np.where(np.array(used), rolled, history)
+
+
+def _update_scales(scale: np.ndarray, amaxes: List[float], lasts: List[float], recipe, fp8_max: float,
+                   recompute: Optional[List[bool]]) -> List[bool]:
+    """Write the new scales of one state (the scale rule per column on floats); returns which columns were used
+    (staging value != 0, NaN included)."""
+    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
+    old = scale.tolist()
+    used = [v != 0 for v in lasts]
+    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
+           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
+    if new != old:
+        scale[:] = new
+    return used
 
 
 def _roll_in_place(history: np.ndarray) -> None:
@@ -199,13 +207,7 @@ def _update_lists(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float
         amaxes = lasts
     else:  # comparisons with NaN are false, so starting from 0 ignores NaN; a max <= 0 keeps the scale either way
         amaxes = [max(0.0, *col) for col in zip(*rows)]
-    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
-    old = scale.tolist()
-    used = [v != 0 for v in lasts]  # NaN counts as used
-    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
-           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
-    if new != old:
-        scale[:] = new
+    used = _update_scales(scale, amaxes, lasts, recipe, fp8_max, recompute)
     rolled = [[0.0] * len(lasts)] + [list(r) for r in rows[2:]] + [list(lasts)]
     if len(rows) == 1:
         rolled = rolled[:1]
