@@ -272,22 +272,25 @@ def test_cuda_cast_matches_cpu(fmt):
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_values_for_the_cpu_gemm_equal_the_conversion(fmt, dtype):
-    """Float8Tensor.values widens large CPU tensors by bit manipulation: every finite code, in any layout, must come
-    out as torch's own conversion gives it; NaN codes and flush-to-zero mode fall back to that conversion."""
+    """Float8Tensor.values widens large CPU tensors by bit manipulation: every code, in any layout, must decode to
+    the value ml_dtypes gives it (exact in bf16 and float32); NaN codes and flush-to-zero mode take torch's
+    conversion, which must agree too."""
     from fp8kit.pytorch.tensor import _BY_BITS_MIN_NUMEL
 
     codes = torch.arange(256, dtype=torch.uint8).repeat(_BY_BITS_MIN_NUMEL // 256 * 2)
     fp8 = codes.view(FORMATS[fmt])
-    finite = fp8[torch.isfinite(fp8.float())].reshape(-1, 64)
-    int_view = torch.int32 if dtype == torch.float32 else torch.int16
+    ml_dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+    decoded = codes.numpy().view(ml_dtype).astype(np.float32)
+    finite = fp8[torch.from_numpy(np.isfinite(decoded))].reshape(-1, 64)
 
     def check(data):
         got = Float8Tensor(data, torch.ones(())).values(dtype)
-        want = data.to(dtype)
+        want = data.contiguous().view(torch.uint8).numpy().view(ml_dtype).astype(np.float32)
         assert got.shape == want.shape and got.dtype == dtype
-        assert torch.equal(got.isnan(), want.isnan())
-        nan = want.isnan()
-        assert torch.equal(got[~nan].view(int_view), want[~nan].view(int_view))
+        got = got.float().contiguous().numpy()
+        assert np.array_equal(np.isnan(got), np.isnan(want))
+        nan = np.isnan(want)
+        np.testing.assert_array_equal(got[~nan].view(np.int32), want[~nan].view(np.int32))
 
     for data in (finite, finite.t(), finite[:, 1::2]):
         check(data)

@@ -76,12 +76,16 @@ def current_scale(
     return scale_from_amax(a, fp8_max, torch.ones_like(a), power_2)
 
 
-def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element."""
+def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: torch.dtype,
+                saturate: bool = True) -> torch.Tensor:
+    """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element or a float
+    holding a float32 value. `saturate=False` skips the clamp, for callers that know no product exceeds fp8_max."""
     fp8_max = FP8_MAX[fp8_dtype]
     # x.float() first: a 0-d float32 scale would not promote a bf16 tensor to float32.
     y = x.float().mul_(scale) if x.dtype != torch.float32 else x * scale
-    return y.clamp_(-fp8_max, fp8_max).to(fp8_dtype)  # clamp keeps NaN
+    if saturate:
+        y.clamp_(-fp8_max, fp8_max)  # clamp keeps NaN
+    return y.to(fp8_dtype)
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8Tensor:
@@ -92,13 +96,10 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8
 def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float) -> Float8Tensor:
     """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
     `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s."""
-    fp8_max = FP8_MAX[fp8_dtype]
-    y = x.float().mul_(scale) if x.dtype != torch.float32 else x * scale  # the float scale is exact in float32
     # Products are monotonic in |x|: when the largest stays within range no element needs the clamp.
-    if not host.f32(amax_value * scale) <= fp8_max:
-        y.clamp_(-fp8_max, fp8_max)
-    inv = host.reciprocal(scale)
-    return Float8Tensor(y.to(fp8_dtype), None, x.dtype, inv)  # scale_inv made from the float when asked
+    in_range = host.f32(amax_value * scale) <= FP8_MAX[fp8_dtype]
+    data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
+    return Float8Tensor(data, None, x.dtype, host.reciprocal(scale))  # scale_inv made from the float when asked
 
 
 def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:

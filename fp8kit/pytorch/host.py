@@ -124,16 +124,17 @@ def compute_update(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: floa
 def update_states(states: Sequence, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
     """`state.update_states` on CPU states (recipes without callables); `recompute` per column or None.
 
-    A few columns are updated state by state in place with the scale rule on Python floats (fewest calls); many
-    are concatenated and updated as one NumPy problem."""
-    if sum(s.num_slots for s in states) <= _SMALL_UPDATE:
+    A few small states are updated one by one on Python lists (fewest calls); otherwise the states are
+    concatenated and updated as one NumPy problem (`compute_update`)."""
+    views = [s.host_views() for s in states]
+    if sum(sc.shape[0] for _, sc in views) <= _SMALL_UPDATE and all(h.size <= _PYTHON_UPDATE for h, _ in views):
         offset = 0
-        for s in states:
-            n = s.num_slots
-            _update_one(s, recipe, fp8_max, None if recompute is None else recompute[offset:offset + n])
+        for history, scale in views:
+            n = scale.shape[0]
+            _update_lists(history, scale, recipe, fp8_max, None if recompute is None else recompute[offset:offset + n])
             offset += n
         return
-    hists, scales = zip(*(s.host_views() for s in states))
+    hists, scales = zip(*views)
     history, scale = np.concatenate(hists, axis=1), np.concatenate(scales)
     mask = None if recompute is None else np.array(recompute, dtype=bool)
     new_history, new_scale = compute_update(history, scale, recipe, fp8_max, mask)
@@ -146,68 +147,25 @@ def update_states(states: Sequence, recipe, fp8_max: float, recompute: Optional[
 
 
 _SMALL_UPDATE = 24  # columns
-
-
-def _update_one(state, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
-    history, scale = state.host_views()
-    if history.size <= _PYTHON_UPDATE:
-        return _update_lists(history, scale, recipe, fp8_max, recompute)
-    lasts = history[0].tolist()
-    if recipe.amax_compute_algo == "most_recent":
-        amaxes = lasts
-    else:
-        amaxes = history.max(axis=0).tolist()
-        if any(a != a for a in amaxes):  # a NaN in the history: the NaN-ignoring max
-            amaxes = np.fmax.reduce(history, axis=0).tolist()
-    used = _update_scales(scale, amaxes, lasts, recipe, fp8_max, recompute)
-    count = used.index(False) if False in used else len(used)
-    if not any(used[count:]):  # the used columns come first (e.g. a Linear's unused output slot last)
-        _roll_in_place(history[:, :count])
-    else:
-        rolled = np.empty_like(history)
-        rolled[1:-1] = history[2:]
-        rolled[-1] = history[0]
-        rolled[0] = 0
-        history[...] = np.where(np.array(used), rolled, history)
-
-
-def _update_scales(scale: np.ndarray, amaxes: List[float], lasts: List[float], recipe, fp8_max: float,
-                   recompute: Optional[List[bool]]) -> List[bool]:
-    """Write the new scales of one state (the scale rule per column on floats); returns which columns were used
-    (staging value != 0, NaN included)."""
-    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
-    old = scale.tolist()
-    used = [v != 0 for v in lasts]
-    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
-           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
-    if new != old:
-        scale[:] = new
-    return used
-
-
-def _roll_in_place(history: np.ndarray) -> None:
-    """`[0, history[2:], history[0]]`, in place."""
-    if history.shape[1] == 0:
-        return
-    first = history[0].copy()
-    history[1:-1] = history[2:]
-    history[-1] = first
-    history[0] = 0
-
-
 _PYTHON_UPDATE = 256  # history elements up to which one state's update runs on Python lists (fewest NumPy calls)
 
 
 def _update_lists(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
                   recompute: Optional[List[bool]]) -> None:
-    """`_update_one` on Python lists: one read and one write of each array."""
+    """One state's update on Python lists: one read and one write of each array."""
     rows = history.tolist()
     lasts = rows[0]
     if recipe.amax_compute_algo == "most_recent":
         amaxes = lasts
     else:  # comparisons with NaN are false, so starting from 0 ignores NaN; a max <= 0 keeps the scale either way
         amaxes = [max(0.0, *col) for col in zip(*rows)]
-    used = _update_scales(scale, amaxes, lasts, recipe, fp8_max, recompute)
+    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
+    old = scale.tolist()
+    used = [v != 0 for v in lasts]  # NaN counts as used
+    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
+           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
+    if new != old:
+        scale[:] = new
     rolled = [[0.0] * len(lasts)] + [list(r) for r in rows[2:]] + [list(lasts)]
     if len(rows) == 1:
         rolled = rolled[:1]

@@ -105,11 +105,10 @@ def _widen(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         codes = data.view(torch.uint8)
         # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)
         if int((codes & 0x7F).max()) < special and float(_SUBNORMAL * 1.0) != 0:
-            if dtype == torch.float32:  # the same in an int32 (float32 has bf16's exponent field)
-                bits = codes.to(torch.int32)
-                bits.bitwise_left_shift_(24).bitwise_right_shift_(shift).bitwise_and_(mask * 0x10000)
-                return bits.view(torch.float32).mul_(multiplier)
-            bits = codes.to(torch.int16)
-            bits.bitwise_left_shift_(8).bitwise_right_shift_(shift).bitwise_and_(mask)
-            return bits.view(torch.bfloat16).mul_(multiplier)
+            # float32 has bf16's exponent field: the same in an int32, 16 bits further up
+            wide = dtype == torch.float32
+            bits = codes.to(torch.int32 if wide else torch.int16)
+            bits.bitwise_left_shift_(24 if wide else 8).bitwise_right_shift_(shift)
+            bits.bitwise_and_(mask * 0x10000 if wide else mask)
+            return bits.view(dtype).mul_(multiplier)
     return data.to(dtype)
