@@ -1,9 +1,9 @@
 """fp8kit.pytorch on torch.distributed (SPEC section 9): amax reduction, modules skipped on some ranks,
 registration mismatches, tensor-parallel Linear, DDP and FSDP2, on local gloo processes (CPU).
 
-The checks themselves live in tests/dist_workers.py (each says what it compares against), started by
-tests/dist_launch.py. The processes start once per world size for this file and run every check in turn; each
-launch has a hard timeout, so nothing can hang.
+The checks themselves live in tests/dist_workers.py and tests/dist_workers_tp.py (each says what it compares
+against), started by tests/dist_launch.py. The processes start once per world size for this file and run every
+check in turn; each launch has a hard timeout, so nothing can hang.
 """
 
 import os
