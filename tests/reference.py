@@ -17,6 +17,8 @@ FP8 = {
     "e5m2": (ml_dtypes.float8_e5m2, 57344.0),
 }
 FLT_MAX = np.float32(np.finfo(np.float32).max)
+# smallest scale ever used: the smallest normal float32 (its reciprocal stays finite)
+SCALE_MIN = np.float32(np.finfo(np.float32).tiny)
 
 
 def amax(x: np.ndarray) -> np.float32:
@@ -43,10 +45,19 @@ def dequantize(q_bytes: np.ndarray, fmt: str, scale_inv: float) -> np.ndarray:
 
 
 def round_down_pow2(scale: np.float32) -> np.float32:
-    """Clear the 23 mantissa bits (keep a subnormal value unchanged, so a scale never becomes 0)."""
+    """Clear the 23 mantissa bits."""
     bits = np.array(scale, dtype=np.float32).view(np.uint32) & np.uint32(0xFF800000)
-    out = bits.view(np.float32)[()]
-    return np.float32(scale) if out == 0 else np.float32(out)
+    return np.float32(bits.view(np.float32)[()])
+
+
+def clamp_scale(s: np.float32) -> np.float32:
+    """Computed scales live in [SCALE_MIN, FLT_MAX]: an infinite one becomes FLT_MAX, a tiny one SCALE_MIN."""
+    return np.float32(min(max(np.float32(s), SCALE_MIN), FLT_MAX))
+
+
+def scaled_max(fp8_max: float, margin: float) -> np.float32:
+    """`fp8_max * 2**-margin` as Transformer Engine computes it in float32 (`fp8_max * powf(2, -margin)`)."""
+    return np.float32(np.float32(fp8_max) * np.float32(2.0 ** -float(np.float32(margin))))
 
 
 def current_scale(amax_value: float, fp8_max: float, epsilon: float = 0.0, power_2: bool = False) -> np.float32:
@@ -54,10 +65,8 @@ def current_scale(amax_value: float, fp8_max: float, epsilon: float = 0.0, power
     a = max(np.float32(amax_value), np.float32(epsilon))
     if a == 0 or not np.isfinite(a):
         return np.float32(1.0)
-    with np.errstate(over="ignore", divide="ignore"):
-        s = np.float32(fp8_max) / np.float32(a)
-    if np.isinf(s):
-        s = FLT_MAX
+    with np.errstate(over="ignore", divide="ignore", under="ignore"):
+        s = clamp_scale(np.float32(fp8_max) / np.float32(a))
     return round_down_pow2(s) if power_2 else np.float32(s)
 
 
@@ -69,7 +78,7 @@ def current_cast(x: np.ndarray, fmt: str, epsilon: float = 0.0, power_2: bool = 
 class DelayedState:
     """SPEC sections 4 and 5 for one `[L, n]` history, one column at a time, in float32 scalars."""
 
-    def __init__(self, length: int, n: int, fp8_max: float, margin: int = 0, algo="max", scale_algo=None,
+    def __init__(self, length: int, n: int, fp8_max: float, margin: float = 0, algo="max", scale_algo=None,
                  interval: int = 1, power_2: bool = False, recipe=None):
         self.history = np.zeros((length, n), dtype=np.float32)
         self.scale = np.ones(n, dtype=np.float32)
@@ -87,22 +96,25 @@ class DelayedState:
         return np.concatenate([[0.0], col[2:], [col[0]]]).astype(np.float32)
 
     def _new_scale(self, a: np.float32, old: np.float32) -> np.float32:
-        scaled_max = np.float32(self.fp8_max * 2.0 ** (-self.margin))
         if not (np.isfinite(a) and a > 0):
             return old
-        with np.errstate(over="ignore", divide="ignore"):
-            s = np.float32(scaled_max / np.float32(a))
-        if np.isinf(s):
-            s = FLT_MAX
+        with np.errstate(over="ignore", divide="ignore", under="ignore"):
+            s = clamp_scale(scaled_max(self.fp8_max, self.margin) / np.float32(a))
         return round_down_pow2(s) if self.power_2 else s
 
     def update(self, reduce: Optional[Callable[[np.ndarray], np.ndarray]] = None) -> None:
-        """One update; `reduce` maps the staging row to the reduced one (max over ranks)."""
+        """One update; `reduce` maps the staging row to the reduced one (max over ranks).
+
+        `interval` counts the updates this state takes part in: those where a slot was used (staging != 0; NaN
+        counts as used), or every update with callables (the history always rolls then)."""
         if reduce is not None:
             self.history[0] = reduce(self.history[0].copy())
+        callables = callable(self.algo) or self.scale_algo is not None
+        if not callables and not np.any(self.history[0] != 0):
+            return
         recompute = self.updates % self.interval == 0
         self.updates += 1
-        if callable(self.algo) or self.scale_algo is not None:
+        if callables:
             self._update_callable(recompute)
             return
         for j in range(self.history.shape[1]):

@@ -69,7 +69,10 @@ def test_unknown_keyword_is_type_error(cls):
 
 
 @pytest.mark.parametrize("kwargs,field", [
-    (dict(margin=-1), "margin"), (dict(margin=0.5), "margin"), (dict(margin=True), "margin"),
+    (dict(margin=-1), "margin"), (dict(margin=-0.5), "margin"), (dict(margin=True), "margin"),
+    (dict(margin=float("nan")), "margin"), (dict(margin=float("inf")), "margin"), (dict(margin="1"), "margin"),
+    (dict(margin=140), "margin"),  # 448 * 2**-140 is below float32's normal range
+    (dict(backward_override="high_precision"), "backward_override"),
     (dict(interval=0), "interval"), (dict(interval=1.0), "interval"),
     (dict(fp8_format="E4M3"), "fp8_format"),
     (dict(amax_history_len=0), "amax_history_len"), (dict(amax_history_len=2.5), "amax_history_len"),
@@ -88,7 +91,9 @@ def test_delayed_bad_values_name_the_field(kwargs, field):
 @pytest.mark.parametrize("kwargs,field", [
     (dict(fp8_format=None), "fp8_format"), (dict(use_power_2_scales=0), "use_power_2_scales"),
     (dict(amax_epsilon=-1.0), "amax_epsilon"), (dict(amax_epsilon=float("nan")), "amax_epsilon"),
-    (dict(amax_epsilon="0"), "amax_epsilon"),
+    (dict(amax_epsilon="0"), "amax_epsilon"), (dict(amax_epsilon=1e39), "amax_epsilon"),
+    (dict(amax_epsilon=float("inf")), "amax_epsilon"), (dict(fp8_quant_fwd_inp=(True, 0.0)), "fp8_quant_fwd_inp"),
+    (dict(fp8_gemm_fprop=False), "fp8_gemm_fprop"), (dict(backward_override="fp8"), "backward_override"),
 ])
 def test_current_bad_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -117,3 +122,46 @@ def test_recipe_module_imports_no_framework():
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert not names & {"torch", "jax", "flax", "numpy"}
+
+
+def test_real_margin_accepted_and_scaled_max_matches_float32_formula():
+    # TE passes the margin as a C float and computes fp8_max * powf(2, -margin) in float32; integer margins are exact
+    import numpy as np
+
+    for margin in (0, 1, 5, 5.0, 0.5, 2.25, 30.7):
+        r = DelayedScaling(margin=margin)
+        for fp8_max in (448.0, 57344.0):
+            expected = np.float32(np.float32(fp8_max) * np.float32(2.0 ** -float(np.float32(margin))))
+            assert r.scaled_max(fp8_max) == float(expected)
+    assert DelayedScaling(margin=5).margin == 5 and isinstance(DelayedScaling(margin=5).margin, int)
+    assert DelayedScaling(margin=5.0).margin == 5.0
+    assert DelayedScaling(margin=3).scaled_max(448.0) == 56.0
+
+
+def test_predicates_are_class_methods_as_in_te():
+    from fp8kit.recipe import Recipe
+
+    for cls in (DelayedScaling, Float8CurrentScaling):
+        assert issubclass(cls, Recipe)
+        for obj in (cls, cls()):
+            assert obj.float8_per_tensor_scaling()
+            assert not (obj.mxfp8() or obj.nvfp4() or obj.float8_block_scaling() or obj.custom())
+    assert DelayedScaling.delayed() and not DelayedScaling.float8_current_scaling()
+    assert Float8CurrentScaling().float8_current_scaling() and not Float8CurrentScaling().delayed()
+
+
+def test_current_scaling_qparams_default_from_the_shortcuts():
+    from fp8kit.recipe import MMParams, QParams
+
+    r = Float8CurrentScaling(use_power_2_scales=True, amax_epsilon=1e-3)
+    for role in (r.fp8_quant_fwd_inp, r.fp8_quant_fwd_weight, r.fp8_quant_bwd_grad):
+        assert role == QParams(power_2_scale=True, amax_epsilon=1e-3)
+    r = Float8CurrentScaling(fp8_quant_bwd_grad=QParams(amax_epsilon=2.0))
+    assert r.fp8_quant_fwd_inp == QParams() and r.fp8_quant_bwd_grad.amax_epsilon == 2.0
+    assert Float8CurrentScaling() == Float8CurrentScaling(fp8_quant_fwd_inp=QParams())
+    assert (r.fp8_gemm_fprop, r.fp8_gemm_dgrad, r.fp8_gemm_wgrad) == (
+        MMParams(False), MMParams(True), MMParams(True))
+    with pytest.raises(NotImplementedError, match="stochastic_rounding"):
+        QParams(stochastic_rounding=True)
+    with pytest.raises(ValueError, match="amax_epsilon"):
+        QParams(amax_epsilon=-1.0)

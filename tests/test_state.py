@@ -199,7 +199,7 @@ def test_update_cost_does_not_grow_with_module_count(recipe, path):
                 update_states(states, recipe, 448.0)
             counts.setdefault(n, []).append(len(mode.ops))
     assert counts[10] == counts[200], counts
-    assert max(counts[200]) < 40
+    assert max(counts[200]) < 50  # the first update also builds the cached column -> state map
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=8), DelayedScaling(amax_history_len=8, interval=3),

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from ..recipe import FLT_MAX
+from ..recipe import FLT_MAX, SCALE_MIN
 
 __all__ = [
     "FP8_MAX",
@@ -115,9 +115,8 @@ def amax(x: jax.Array, axis_names: tuple = ()) -> jax.Array:
 # ---- scale rules -------------------------------------------------------------------------------------------
 
 def round_down_pow2(scale: jax.Array) -> jax.Array:
-    """Clear the 23 mantissa bits of positive float32 scales; a subnormal scale (which would become 0) is kept."""
-    rounded = _bits(scale) & jnp.uint32(0xFF800000)
-    return jnp.where((rounded & _ABS_MASK) == 0, scale.astype(F32), _float(rounded))
+    """Clear the 23 mantissa bits of float32 scales (normal and positive, as `scale_from_amax` makes them)."""
+    return _float(_bits(scale) & jnp.uint32(0xFF800000))
 
 
 def _divide_by_amax(numerator: float, a: jax.Array) -> jax.Array:
@@ -131,11 +130,12 @@ def _divide_by_amax(numerator: float, a: jax.Array) -> jax.Array:
 
 
 def scale_from_amax(a: jax.Array, scaled_max: float, fallback: jax.Array, power_2: bool = False) -> jax.Array:
-    """`scaled_max / a` in float32 where `a` is finite and > 0, else `fallback`; an infinite result becomes
-    FLT_MAX; optionally rounded down to a power of two. Elementwise on any shape."""
+    """`scaled_max / a` in float32 where `a` is finite and > 0, else `fallback`; the quotient is clamped to
+    [SCALE_MIN, FLT_MAX] (an infinite one becomes FLT_MAX); optionally rounded down to a power of two. Elementwise
+    on any shape."""
     a = a.astype(F32)
     scale = _divide_by_amax(scaled_max, a)
-    scale = jnp.where(jnp.isinf(scale), _f32(FLT_MAX), scale)
+    scale = jnp.clip(scale, _f32(SCALE_MIN), _f32(FLT_MAX))
     if power_2:
         scale = round_down_pow2(scale)
     return jnp.where(is_positive_finite(a), scale, fallback.astype(F32))

@@ -83,7 +83,7 @@ def update_slots(
 
     `recompute` (a bool scalar) is False on the updates `interval` skips. Returns (history, scale), float32.
     """
-    scaled_max = float(np.float32(fp8_max * 2.0 ** (-recipe.margin)))
+    scaled_max = recipe.scaled_max(fp8_max)
     last = history[0]
     algo = recipe.amax_compute_algo
     if not recipe.uses_callables:

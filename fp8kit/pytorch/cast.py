@@ -11,7 +11,7 @@ from typing import Optional, Union
 
 import torch
 
-from ..recipe import FLT_MAX
+from ..recipe import FLT_MAX, SCALE_MIN
 from . import host
 from .tensor import FP8_DTYPES, Float8Tensor
 
@@ -39,19 +39,19 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
-    """Clear the 23 mantissa bits of positive float32 scales; a subnormal scale (which would become 0) is kept."""
-    rounded = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
-    return torch.where(rounded == 0, scale, rounded)
+    """Clear the 23 mantissa bits of float32 scales (normal and positive, as `scale_from_amax` makes them)."""
+    return (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
 
 
 def scale_from_amax(
     amax_value: torch.Tensor, scaled_max: float, fallback: torch.Tensor, power_2: bool = False
 ) -> torch.Tensor:
-    """`scaled_max / amax` in float32 where amax is finite and > 0, else `fallback`; an infinite result
-    becomes FLT_MAX; optionally rounded down to a power of two. Works elementwise on any shape."""
+    """`scaled_max / amax` in float32 where amax is finite and > 0, else `fallback`; the quotient is clamped to
+    [SCALE_MIN, FLT_MAX] (an infinite one becomes FLT_MAX); optionally rounded down to a power of two. Works
+    elementwise on any shape."""
     numerator = torch.full_like(amax_value, scaled_max)
     scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)
-    scale = scale.clamp_max_(FLT_MAX)  # an infinite scale becomes FLT_MAX (NaN stays NaN and is masked below)
+    scale = scale.clamp_(SCALE_MIN, FLT_MAX)  # NaN stays NaN and is masked below
     if power_2:
         scale = round_down_pow2(scale)
     ok = torch.isfinite(amax_value) & (amax_value > 0)

@@ -21,10 +21,9 @@ from typing import Iterator, List, Optional, Sequence
 import numpy as np
 import torch
 
-from ..recipe import FLT_MAX
+from ..recipe import FLT_MAX, SCALE_MIN, f32
 
 _ENABLED = True
-_MIN_NORMAL = 2.0 ** -126
 
 
 def active(device: torch.device) -> bool:
@@ -43,14 +42,6 @@ def tensor_path() -> Iterator[None]:
         _ENABLED = old
 
 
-def f32(value: float) -> float:
-    """`value` rounded to the nearest float32 (overflow gives +-inf)."""
-    if abs(value) > FLT_MAX:
-        # beyond FLT_MAX by less than half an ulp still rounds to FLT_MAX
-        return math.copysign(FLT_MAX if abs(value) < FLT_MAX + 2.0 ** 103 else math.inf, value)
-    return float(np.float32(value))
-
-
 def amax(x: torch.Tensor) -> float:
     """`max |x|` over the non-NaN elements of a CPU tensor, as a Python float (0 for empty or all-NaN)."""
     if x.numel() == 0:
@@ -64,14 +55,16 @@ def amax(x: torch.Tensor) -> float:
 
 def scale_from_amax(amax_value: float, scaled_max: float, fallback: float, power_2: bool = False) -> float:
     """`cast.scale_from_amax` for one float32 amax: `float32(scaled_max) / amax` where amax is finite and > 0,
-    FLT_MAX for an infinite quotient, optionally rounded down to a power of two; `fallback` otherwise."""
+    clamped to [SCALE_MIN, FLT_MAX], optionally rounded down to a power of two; `fallback` otherwise."""
     if not (0 < amax_value < math.inf):
         return fallback
     q = f32(f32(scaled_max) / amax_value)
     if q > FLT_MAX:
         q = FLT_MAX
-    if power_2 and q >= _MIN_NORMAL:
-        q = math.ldexp(0.5, math.frexp(q)[1])  # clears the mantissa; a subnormal scale is kept as it is
+    elif q < SCALE_MIN:
+        q = SCALE_MIN
+    if power_2:
+        q = math.ldexp(0.5, math.frexp(q)[1])  # clears the mantissa
     return q
 
 
@@ -104,13 +97,12 @@ def compute_update(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: floa
         change &= recompute
     new_scale = scale.copy()
     if change.any():
-        # float64 quotients of float32 values, clamped, then rounded once: the float32 quotient, inf -> FLT_MAX
-        q = np.divide(f32(fp8_max * 2.0 ** (-recipe.margin)), amax_v, out=np.ones(amax_v.shape), where=change,
-                      dtype=np.float64)
-        q = np.minimum(q, FLT_MAX).astype(np.float32)
+        # float64 quotients of float32 values, clamped to [SCALE_MIN, FLT_MAX], then rounded once: the clamped
+        # float32 quotient
+        q = np.divide(recipe.scaled_max(fp8_max), amax_v, out=np.ones(amax_v.shape), where=change, dtype=np.float64)
+        q = np.clip(q, SCALE_MIN, FLT_MAX).astype(np.float32)
         if recipe.power_2_scale:
-            rounded = (q.view(np.int32) & np.int32(0x7F800000)).view(np.float32)
-            q = np.where(rounded == 0, q, rounded)
+            q = (q.view(np.int32) & np.int32(0x7F800000)).view(np.float32)
         np.copyto(new_scale, q, where=change)
     rolled = np.empty_like(history)  # [0, history[2:], history[0]]
     rolled[1:-1] = history[2:]
@@ -121,28 +113,33 @@ def compute_update(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: floa
     return rolled, new_scale
 
 
-def update_states(states: Sequence, recipe, fp8_max: float, recompute: Optional[List[bool]]) -> None:
-    """`state.update_states` on CPU states (recipes without callables); `recompute` per column or None.
+def update_states(states: Sequence, recipe, fp8_max: float) -> None:
+    """`state.update_states` on CPU states (recipes without callables), counters included.
 
     A few small states are updated one by one on Python lists (fewest calls); otherwise the states are
     concatenated and updated as one NumPy problem (`compute_update`)."""
     views = [s.host_views() for s in states]
-    if sum(sc.shape[0] for _, sc in views) <= _SMALL_UPDATE and all(h.size <= _PYTHON_UPDATE for h, _ in views):
-        offset = 0
-        for history, scale in views:
-            n = scale.shape[0]
-            _update_lists(history, scale, recipe, fp8_max, None if recompute is None else recompute[offset:offset + n])
-            offset += n
+    interval = recipe.interval
+    if sum(sc.shape[0] for _, sc, _ in views) <= _SMALL_UPDATE and all(h.size <= _PYTHON_UPDATE for h, _, _ in views):
+        for history, scale, count in views:
+            c = int(count)
+            if _update_lists(history, scale, recipe, fp8_max, c % interval == 0):
+                count[()] = c + 1
         return
-    hists, scales = zip(*views)
+    hists, scales, counts = zip(*views)
     history, scale = np.concatenate(hists, axis=1), np.concatenate(scales)
-    mask = None if recompute is None else np.array(recompute, dtype=bool)
+    sizes = [s.shape[0] for s in scales]
+    mask = None
+    if interval > 1:
+        mask = np.repeat([int(c) % interval == 0 for c in counts], sizes)
+    takes_part = [bool((h[0] != 0).any()) for h in hists]
     new_history, new_scale = compute_update(history, scale, recipe, fp8_max, mask)
     offset = 0
-    for h, s in zip(hists, scales):
-        n = s.shape[0]
+    for h, s, c, part, n in zip(hists, scales, counts, takes_part, sizes):
         h[...] = new_history[:, offset:offset + n]
         s[...] = new_scale[offset:offset + n]
+        if part:
+            c[()] += 1
         offset += n
 
 
@@ -150,22 +147,25 @@ _SMALL_UPDATE = 24  # columns
 _PYTHON_UPDATE = 256  # history elements up to which one state's update runs on Python lists (fewest NumPy calls)
 
 
-def _update_lists(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
-                  recompute: Optional[List[bool]]) -> None:
-    """One state's update on Python lists: one read and one write of each array."""
+def _update_lists(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float, recompute: bool) -> bool:
+    """One state's update on Python lists: one read and one write of each array. `recompute`: may the scales
+    change (`interval`). Returns whether the state took part (a slot was used)."""
     rows = history.tolist()
     lasts = rows[0]
+    used = [v != 0 for v in lasts]  # NaN counts as used
+    if not any(used):
+        return False
     if recipe.amax_compute_algo == "most_recent":
         amaxes = lasts
     else:  # comparisons with NaN are false, so starting from 0 ignores NaN; a max <= 0 keeps the scale either way
         amaxes = [max(0.0, *col) for col in zip(*rows)]
-    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
+    scaled_max = recipe.scaled_max(fp8_max)
     old = scale.tolist()
-    used = [v != 0 for v in lasts]  # NaN counts as used
-    new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u and (recompute is None or r) else o
-           for a, o, u, r in zip(amaxes, old, used, recompute or used)]
-    if new != old:
-        scale[:] = new
+    if recompute:
+        new = [scale_from_amax(a, scaled_max, o, recipe.power_2_scale) if u else o
+               for a, o, u in zip(amaxes, old, used)]
+        if new != old:
+            scale[:] = new
     rolled = [[0.0] * len(lasts)] + [list(r) for r in rows[2:]] + [list(lasts)]
     if len(rows) == 1:
         rolled = rolled[:1]
@@ -174,3 +174,4 @@ def _update_lists(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float
             for row, old_row in zip(rolled, rows):
                 row[j] = old_row[j]
     history[...] = rolled
+    return True

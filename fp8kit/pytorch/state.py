@@ -1,14 +1,16 @@
-"""Delayed-scaling state (amax history and scale per slot) and the batched update rule (SPEC sections 4, 5).
+"""Delayed-scaling state (amax history, scale and update counter per state) and the batched update rule (SPEC
+sections 4, 5).
 
-The update of any number of states runs a constant number of tensor operations: the histories and scales of all
-states under one registry key are concatenated, updated as one `[L, N]` problem, and copied back with
-`torch._foreach_copy_`.
+The update of any number of states runs a constant number of tensor operations: the histories, scales and
+counters of all states under one registry key are concatenated, updated as one `[L, N]` problem, and copied back
+with `torch._foreach_copy_`. Everything the update reads and writes lives in tensors on the state's device, so a
+replayed CUDA graph or a compiled step updates the state exactly as an eager step does.
 """
 
 from __future__ import annotations
 
 import math
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -23,16 +25,22 @@ class ScalingState:
     Attributes:
       amax_history: float32 `[L, n]`; row 0 is the staging row, rows 1..L-1 past amaxes, oldest first.
       scale: float32 `[n]`, the scale the next cast of each slot uses.
-      update_count: how many updates this state has taken part in (drives `interval`).
+      count: int64 0-d tensor, the number of updates this state has taken part in (drives `interval`): an update
+        takes part when one of the state's slots was used (staging value != 0), or always with callables.
+      update_count: `count` as a Python int (reading it synchronises with the device).
+      key: the registry key the state is registered under (None until registered; a copy is unregistered).
     """
 
-    __slots__ = ("_history", "_scale", "_views", "update_count", "key", "__weakref__")
+    __slots__ = ("_history", "_scale", "_count", "_views", "key", "__weakref__")
 
     def __init__(self, num_slots: int, length: int, device=None):
-        self.amax_history = torch.zeros(length, num_slots, dtype=torch.float32, device=device)
-        self.scale = torch.ones(num_slots, dtype=torch.float32, device=device)
-        self.update_count = 0
-        self.key = None  # the registry key this state is registered under
+        with torch.inference_mode(False):  # state made under inference_mode must stay writable outside it
+            self.amax_history = torch.zeros(length, num_slots, dtype=torch.float32, device=device)
+            self.scale = torch.ones(num_slots, dtype=torch.float32, device=device)
+            self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.key = None
+
+    # ---- tensors (assigning one drops the cached NumPy views) ----
 
     @property
     def amax_history(self) -> torch.Tensor:
@@ -50,13 +58,49 @@ class ScalingState:
     def scale(self, value: torch.Tensor) -> None:
         self._scale, self._views = value, None
 
+    @property
+    def count(self) -> torch.Tensor:
+        return self._count
+
+    @count.setter
+    def count(self, value: torch.Tensor) -> None:
+        self._count, self._views = value, None
+
+    @property
+    def update_count(self) -> int:
+        return int(self._count)
+
+    @update_count.setter
+    def update_count(self, value: int) -> None:
+        with torch.no_grad():
+            self._count.fill_(int(value))
+
     def host_views(self):
-        """(amax_history, scale) as NumPy arrays sharing memory with the tensors (CPU states only; the host fast
-        path), made once per tensor."""
+        """(amax_history, scale, count) as NumPy arrays sharing memory with the tensors (CPU states only; the host
+        fast path), made once per tensor."""
         views = self._views
         if views is None:
-            views = self._views = (self._history.numpy(), self._scale.numpy())
+            views = self._views = (self._history.numpy(), self._scale.numpy(), self._count.numpy())
         return views
+
+    # ---- copies: an independent, unregistered state with the same numbers ----
+
+    def __getstate__(self):
+        return {"amax_history": self._history, "scale": self._scale, "count": self._count}
+
+    def __setstate__(self, state) -> None:
+        self.amax_history, self.scale = state["amax_history"], state["scale"]
+        self.count = state.get("count", torch.zeros((), dtype=torch.int64, device=self._history.device))
+        self.key = None  # registers again at its first FP8 forward
+
+    def __deepcopy__(self, memo):
+        copy = ScalingState.__new__(ScalingState)
+        copy.__setstate__({"amax_history": self._history.clone(), "scale": self._scale.clone(),
+                           "count": self._count.clone()})
+        memo[id(self)] = copy
+        return copy
+
+    # ---- reading and recording ----
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -74,6 +118,7 @@ class ScalingState:
     def to_(self, device: torch.device) -> None:
         self.amax_history = self.amax_history.to(device)
         self.scale = self.scale.to(device)
+        self.count = self.count.to(device)
 
     def record(self, slot: int, amax) -> None:
         """Max-accumulate a cast's amax (a 0-d tensor, or a float for a CPU state) into the staging row,
@@ -91,7 +136,7 @@ class ScalingState:
         self.amax_history = resized_history(self.amax_history, length)
 
     def __repr__(self) -> str:
-        return f"ScalingState(slots={self.num_slots}, history_len={self.history_len}, updates={self.update_count})"
+        return f"ScalingState(slots={self.num_slots}, history_len={self.history_len})"
 
 
 def resized_history(history: torch.Tensor, length: int) -> torch.Tensor:
@@ -119,6 +164,29 @@ def _nan_ignoring_max(history: torch.Tensor) -> torch.Tensor:
     return torch.nan_to_num(history, nan=0.0, posinf=math.inf, neginf=-math.inf).amax(dim=0)
 
 
+def _callable_result(value, like: torch.Tensor, what: str, func) -> torch.Tensor:
+    """A user callable's result as a float32 `[N]` tensor, or a ValueError naming the callable and the value."""
+    name = getattr(func, "__qualname__", None) or repr(func)
+    n = like.numel()
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"fp8kit: {what} {name} must return a float tensor of shape [{n}] (or one element), got "
+                         f"{type(value).__name__} {value!r}")
+    if not value.is_floating_point() or value.numel() not in (1, n) or value.dim() > 1:
+        raise ValueError(f"fp8kit: {what} {name} must return a float tensor of shape [{n}] (or one element), got "
+                         f"dtype {value.dtype} and shape {tuple(value.shape)}")
+    return value.detach().to(device=like.device, dtype=torch.float32).reshape(-1).expand(n)
+
+
+def check_scales(scale: torch.Tensor, func) -> None:
+    """Refuse scales a user callable returned that are not finite and > 0 as float32 (never used, never stored)."""
+    ok = torch.isfinite(scale) & (scale > 0)
+    if not bool(ok.all()):
+        name = getattr(func, "__qualname__", None) or repr(func)
+        bad = scale[~ok][:4].tolist()
+        raise ValueError(f"fp8kit: scaling_factor_compute_algo {name} returned scales that are not finite and > 0 "
+                         f"as float32: {bad}; every scale must be in (0, inf)")
+
+
 def compute_update(
     history: torch.Tensor,
     scale: torch.Tensor,
@@ -131,23 +199,27 @@ def compute_update(
     `recompute` (bool `[N]` or None for all True) marks the columns whose scale may change (`interval`).
     """
     last = history[0]
-    scaled_max = fp8_max * 2.0 ** (-recipe.margin)
+    scaled_max = recipe.scaled_max(fp8_max)
     if recipe.uses_callables:
         algo = recipe.amax_compute_algo
         if callable(algo):
-            amax = algo(history.clone())
+            amax = _callable_result(algo(history.clone()), scale, "amax_compute_algo", algo)
         elif algo == "most_recent":
             amax = last
         else:
             amax = _nan_ignoring_max(history)
         new_history = _rolled(history)
-        if recipe.scaling_factor_compute_algo is not None:
-            new_scale = recipe.scaling_factor_compute_algo(amax, scale.clone(), fp8_max, recipe)
-            new_scale = torch.as_tensor(new_scale, dtype=torch.float32, device=scale.device).expand_as(scale)
+        sf_algo = recipe.scaling_factor_compute_algo
+        if sf_algo is not None:
+            new_scale = _callable_result(sf_algo(amax, scale.clone(), fp8_max, recipe), scale,
+                                         "scaling_factor_compute_algo", sf_algo)
+            if recompute is not None:
+                new_scale = torch.where(recompute, new_scale, scale)
+            check_scales(new_scale, sf_algo)
         else:
             new_scale = scale_from_amax(amax, scaled_max, scale, recipe.power_2_scale)
-        if recompute is not None:
-            new_scale = torch.where(recompute, new_scale, scale)
+            if recompute is not None:
+                new_scale = torch.where(recompute, new_scale, scale)
         return new_history, new_scale
     used = last != 0
     amax = last if recipe.amax_compute_algo == "most_recent" else _nan_ignoring_max(history)
@@ -158,42 +230,65 @@ def compute_update(
     return new_history, new_scale
 
 
-def _recompute_flags(states: Sequence[ScalingState], interval: int) -> Optional[List[bool]]:
-    """Per column: may its scale change in this update (`interval`)? None when all may."""
-    if interval == 1:
-        return None
-    flags = [s.update_count % interval == 0 for s in states]
-    if all(flags):
-        return None
-    return [f for s, f in zip(states, flags) for _ in range(s.num_slots)]
+_COLUMN_OWNERS: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
+
+
+def _column_owners(sizes: Tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """int64 `[sum(sizes)]`: the index of the state each concatenated column belongs to (cached per layout)."""
+    key = (str(device), sizes)
+    owners = _COLUMN_OWNERS.get(key)
+    if owners is None:
+        with torch.inference_mode(False):
+            owners = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
+        if len(_COLUMN_OWNERS) > 256:
+            _COLUMN_OWNERS.clear()
+        _COLUMN_OWNERS[key] = owners
+    return owners
 
 
 def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: float) -> None:
     """Run one batched update over `states` (all with the same history length), in place.
 
     The staging rows are used as they are: with amax reduction, `distributed.reduced_update` all-reduces them first.
+    A state's counter advances when it takes part (a used slot, or always with callables); with `interval > 1` its
+    scale changes only in updates where its counter, before advancing, is a multiple of `interval`.
     """
     if not states:
         return
     device = states[0].scale.device
-    flags = _recompute_flags(states, recipe.interval)
     if host.active(device) and not recipe.uses_callables:
-        host.update_states(states, recipe, fp8_max, flags)
-    elif not recipe.uses_callables and kernels.enabled() and kernels.available(device):  # one launch
-        per_state = None if flags is None else [s.update_count % recipe.interval == 0 for s in states]
-        kernels.update_tensors([s.amax_history for s in states], [s.scale for s in states], recipe, fp8_max,
-                               per_state)
+        host.update_states(states, recipe, fp8_max)
+    elif not recipe.uses_callables and recipe.interval == 1 and kernels.enabled() and kernels.available(device):
+        used = torch.stack([(s.amax_history[0] != 0).any() for s in states])  # before the kernel rolls row 0
+        kernels.update_tensors([s.amax_history for s in states], [s.scale for s in states], recipe, fp8_max)
+        torch._foreach_add_([s.count for s in states], list(used.long().unbind()))
     else:
-        _update_with_tensors(states, recipe, fp8_max, flags, device)
-    for s in states:
-        s.update_count += 1
+        _update_with_tensors(states, recipe, fp8_max)
 
 
-def _update_with_tensors(states, recipe, fp8_max, flags, device) -> None:
+def _update_with_tensors(states: List[ScalingState], recipe: DelayedScaling, fp8_max: float) -> None:
+    device = states[0].scale.device
+    sizes = tuple(s.num_slots for s in states)
     history = torch.cat([s.amax_history for s in states], dim=1)
     scale = torch.cat([s.scale for s in states])
-    recompute = None if flags is None else torch.tensor(flags, dtype=torch.bool, device=device)
+    counts = torch.stack([s.count for s in states])
+    owners = _column_owners(sizes, device)
+    if recipe.uses_callables:
+        takes_part = torch.ones_like(counts, dtype=torch.bool)
+    else:
+        used = (history[0] != 0).to(torch.int64)
+        takes_part = torch.zeros_like(counts).index_add_(0, owners, used) > 0
+    recompute = None
+    if recipe.interval > 1:
+        recompute = (counts % recipe.interval == 0)[owners]
     new_history, new_scale = compute_update(history, scale, recipe, fp8_max, recompute)
-    sizes = [s.num_slots for s in states]
     torch._foreach_copy_([s.amax_history for s in states], list(new_history.split(sizes, dim=1)))
     torch._foreach_copy_([s.scale for s in states], list(new_scale.split(sizes)))
+    torch._foreach_copy_([s.count for s in states], list((counts + takes_part.to(torch.int64)).unbind()))
+
+
+def state_counts(states: Sequence[ScalingState]) -> List[int]:
+    """The update counters of `states` as Python ints (one device read)."""
+    if not states:
+        return []
+    return torch.stack([s.count for s in states]).tolist()

@@ -208,7 +208,7 @@ def _recipe_args(recipe, fp8_max: float, where: str):
                          "the torch path (fp8kit.pytorch.state.compute_update)")
     if recipe.amax_compute_algo not in ("max", "most_recent"):
         raise ValueError(f"{where}: unsupported amax_compute_algo {recipe.amax_compute_algo!r}")
-    return float(fp8_max) * 2.0 ** (-recipe.margin), recipe.amax_compute_algo == "most_recent", recipe.power_2_scale
+    return recipe.scaled_max(float(fp8_max)), recipe.amax_compute_algo == "most_recent", recipe.power_2_scale
 
 
 def _check_f32(t: torch.Tensor, name: str, where: str) -> None:

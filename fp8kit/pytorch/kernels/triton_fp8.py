@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
+SCALE_MIN = tl.constexpr(2.0 ** -126)  # fp8kit.recipe.SCALE_MIN
 
 
 @triton.jit
@@ -39,17 +40,17 @@ def _tile_max(v, axis: tl.constexpr):
 
 @triton.jit
 def _round_down_pow2(s):
-    """Clear the 23 mantissa bits of float32 `s`; a value that would become 0 (subnormal) is kept."""
-    r = (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
-    return tl.where(r == 0, s, r)
+    """Clear the 23 mantissa bits of float32 `s` (normal and positive, as `_scale_rule` makes it)."""
+    return (s.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _scale_rule(a, scaled_max, fallback, POW2: tl.constexpr):
-    """`scaled_max / a` (IEEE float32) where `a` is finite and > 0, else `fallback`; an infinite quotient becomes
-    FLT_MAX; optionally rounded down to a power of two. Elementwise, like `cast.scale_from_amax`."""
+    """`scaled_max / a` (IEEE float32) where `a` is finite and > 0, else `fallback`; the quotient is clamped to
+    [SCALE_MIN, FLT_MAX]; optionally rounded down to a power of two. Elementwise, like `cast.scale_from_amax`."""
     s = tl.math.div_rn(tl.where(a == a, scaled_max, scaled_max), a)  # scaled_max in a's shape
     s = tl.where(s > FLT_MAX, FLT_MAX, s)
+    s = tl.where(s < SCALE_MIN, SCALE_MIN, s)  # NaN compares false and is masked below
     if POW2:
         s = _round_down_pow2(s)
     ok = (a > 0.0) & (a <= FLT_MAX)  # False for NaN

@@ -71,7 +71,7 @@ class FP8StateMixin:
             base = f"{prefix}fp8_meta.{name}."
             destination[base + "amax_history"] = state.amax_history
             destination[base + "scale"] = state.scale
-            destination[base + "update_count"] = torch.tensor(state.update_count, dtype=torch.int64)
+            destination[base + "update_count"] = state.count if keep_vars else state.count.detach()
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
