@@ -22,7 +22,6 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from ..recipe import DelayedScaling
 from .cast import F32, fmax_nonneg, is_nonzero, max_nonneg, scale_from_amax

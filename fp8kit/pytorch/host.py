@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, List, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
