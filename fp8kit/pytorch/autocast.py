@@ -23,6 +23,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .state import ScalingState, update_states
 
 __all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states"]
@@ -64,6 +65,7 @@ class _Step:
         self.backward_keys: Dict[tuple, None] = {}
         self.entered: Dict[tuple, None] = {}  # keys of the delayed-scaling frames entered, in order
         self.pending_backward = 0
+        self.backward_finished = False  # the step's backward update has run
         self.lock = threading.Lock()
 
     def forward_called(self, key, needs_backward: bool) -> None:
@@ -83,11 +85,23 @@ class _Step:
             if run:
                 self.backward_keys = {}
         if run:
+            self.backward_finished = True
+            release_step(self)  # no recompute of this step is left to come
             for key in keys:
                 if _reduces(key):  # collective: deferred to the next outermost entry (_run_pending_backward)
                     _REGISTRY[key].backward_ran = True
                 else:
                     _update_key(key, "backward")
+
+    def discard_forward_amaxes(self) -> None:
+        """Clear the forward staging amaxes of the delayed-scaling keys this step used (an aborted step: they are not
+        merged into the next update)."""
+        for key in self.forward_keys:
+            entry = _REGISTRY.get(key)
+            if entry is not None:
+                for state in entry.live("forward", key):
+                    with torch.no_grad():
+                        state.amax_history[0].zero_()
 
 
 @dataclass(frozen=True)
@@ -99,6 +113,7 @@ class Frame:
     recipe: Recipe
     group: object
     step: _Step = field(compare=False)
+    replay: bool = field(default=False, compare=False)  # entered by a recompute during backward: updates nothing
 
     @property
     def key(self) -> tuple:
@@ -238,14 +253,23 @@ def autocast(
       must enter and exit the same autocast contexts in the same order (docs/distributed.md).
 
     Contexts nest; an inner one may change `enabled` or the recipe for its scope. Forward updates run when the
-    outermost context exits (if grad is enabled then); backward updates run after the step's FP8 backwards, or,
-    with amax reduction, at the next outermost entry with grad enabled (`distributed.apply_pending_updates()` runs
-    them now).
+    outermost context exits (if grad is enabled then, or inside a reentrant activation checkpoint's forward);
+    backward updates run after the step's FP8 backwards, or, with amax reduction, at the next outermost entry with
+    grad enabled (`distributed.apply_pending_updates()` runs them now). An outermost context left by an exception
+    updates nothing and discards the forward amaxes its step recorded. A context entered while a backward runs
+    (activation recompute) updates nothing: its modules repeat their original forward (fp8kit.pytorch.recompute).
     """
     if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
         raise TypeError(f"autocast: enabled and calibrating must be bools, got {enabled!r} and {calibrating!r}")
     recipe = _check_recipe(recipe)
     stack = _STACK.get()
+    if in_backward() or (stack and stack[-1].replay):
+        token = _STACK.set(stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, _Step(), True),))
+        try:
+            yield
+        finally:
+            _STACK.reset(token)
+        return
     if not stack and _PENDING_BACKWARD and torch.is_grad_enabled():
         _run_pending_backward()
     step = stack[0].step if stack else _Step()
@@ -255,9 +279,13 @@ def autocast(
     token = _STACK.set(stack + (frame,))
     try:
         yield
+    except BaseException:
+        if not stack:
+            step.discard_forward_amaxes()
+        raise
     finally:
         _STACK.reset(token)
-    if not stack and torch.is_grad_enabled():
+    if not stack and (torch.is_grad_enabled() or in_reentrant_checkpoint()):
         _update_step(step)
 
 
