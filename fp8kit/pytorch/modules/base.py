@@ -190,6 +190,7 @@ class FP8StateMixin:
                                       error_msgs)
         ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
+        entries, problems = {}, []
         for name, per_gemm in _PASSES:
             base = f"{prefix}fp8_meta.{name}."
             found = {f: state_dict[base + f] for f in _FIELDS if base + f in state_dict}
@@ -197,8 +198,12 @@ class FP8StateMixin:
                 continue  # e.g. a torch.nn.Linear checkpoint: keep the current state
             problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
             if problem:
-                error_msgs.append(f"{base[:-1]}: {problem}")
-                continue
+                problems.append(f"{base[:-1]}: {problem}")
+            entries[name] = found
+        if problems:  # all or nothing: a module never holds half of a checkpoint's FP8 state
+            error_msgs.extend(problems)
+            return
+        for name, found in entries.items():
             self._load_state(name, found)
 
     def _load_state(self, name: str, found) -> None:
