@@ -74,10 +74,12 @@ def test_example_runs_under_torchrun(tmp_path):
 def test_tensor_parallel_arguments_are_validated():
     with pytest.raises(ValueError, match="parallel_mode"):
         te.Linear(16, 16, parallel_mode="diagonal")
-    with pytest.raises(ValueError, match="sequence_parallel=True needs parallel_mode"):
-        te.Linear(16, 16, sequence_parallel=True)
+    # as in Transformer Engine, sequence parallelism takes effect only with a parallel mode and more than one rank
+    assert te.Linear(16, 16, sequence_parallel=True).sequence_parallel is False
     with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
         te.Linear(16, 16, parallel_mode="row", sequence_parallel=1)
+    with pytest.raises(ValueError, match="tp_size"):
+        te.Linear(16, 16, tp_size=0)
     if not torch.distributed.is_initialized():
         with pytest.raises(ValueError, match="not initialised"):
             te.Linear(16, 16, parallel_mode="column", tp_group=object())

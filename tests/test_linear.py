@@ -163,12 +163,24 @@ def test_sqnr_against_float64_linear(recipe):
         assert db >= floor, db
 
 
-def test_outside_autocast_bit_identical_to_nn_linear():
+def test_init_is_transformer_engines():
+    """Transformer Engine's default: weight ~ normal(0, 0.023) drawn from the default generator, bias zeros."""
     torch.manual_seed(3)
     ours = te.Linear(40, 24)
     torch.manual_seed(3)
+    want = torch.empty(24, 40).normal_(mean=0.0, std=0.023)
+    assert torch.equal(ours.weight, want) and torch.equal(ours.bias, torch.zeros(24))
+    custom = te.Linear(8, 16, init_method=lambda w: torch.nn.init.constant_(w, 0.5))
+    assert torch.equal(custom.weight, torch.full((16, 8), 0.5))
+
+
+def test_outside_autocast_bit_identical_to_nn_linear():
+    ours = te.Linear(40, 24)
     theirs = torch.nn.Linear(40, 24)
-    assert torch.equal(ours.weight, theirs.weight) and torch.equal(ours.bias, theirs.bias)
+    theirs.load_state_dict(ours.state_dict(), strict=False)
+    with torch.no_grad():
+        ours.bias.uniform_(-1, 1)
+        theirs.bias.copy_(ours.bias)
     assert list(ours.state_dict()) == list(theirs.state_dict()) == ["weight", "bias"]
     x = torch.randn(3, 5, 40, requires_grad=True)
     x2 = x.detach().clone().requires_grad_()
