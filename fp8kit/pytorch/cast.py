@@ -28,13 +28,13 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """`max |x|` over the non-NaN elements as a 0-d float32 tensor (0 for an empty or all-NaN tensor)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    if x.device.type != "cpu":
+        return _device_amax(x)
     lo, hi = torch.aminmax(x)
     a = torch.maximum(hi, -lo).float()  # NaN if x holds a NaN
-    if x.device.type == "cpu":
-        if not torch.isnan(a):
-            return a
-        return torch.where(torch.isnan(x), 0, x.abs()).amax().float()
-    return _device_amax(x)
+    if not torch.isnan(a):
+        return a
+    return torch.where(torch.isnan(x), 0, x.abs()).amax().float()
 
 
 def _device_amax(x: torch.Tensor) -> torch.Tensor:

@@ -115,10 +115,13 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
               use_fast_accum: bool = False) -> torch.Tensor:
     """`a @ b` through `torch._scaled_mm` with per-tensor scales `a.scale_inv`, `b.scale_inv` (device tensors):
     `a` made row-major and `b` column-major (from `data_t` when present, without a copy), K and N zero-padded to
-    multiples of 16 when needed. `out_dtype` bf16/fp16 take the bias in the GEMM's epilogue; other dtypes get a
-    float32 GEMM result, the bias added after, then converted."""
+    multiples of 16 when needed. A bias of `out_dtype` bf16/fp16 goes into the GEMM's epilogue; otherwise the GEMM
+    gives float32, the bias is added to it and the sum rounded once to `out_dtype`."""
     m, k, n = _check_shapes(a, b, "scaled_mm")
-    mm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
+    low = out_dtype in (torch.bfloat16, torch.float16)
+    use_bias = bias is not None and bias.dtype == out_dtype and low  # in the epilogue, before the one rounding
+    # Otherwise a float32 result, so that the bias is added before the one rounding to out_dtype
+    mm_dtype = out_dtype if low and (bias is None or use_bias) else torch.float32
     if m == 0 or k == 0 or n == 0:  # nothing to multiply: zeros (+ bias), no cuBLASLt edge cases
         out = torch.zeros((m, n), dtype=mm_dtype, device=a.data.device)
         return (out + bias.to(mm_dtype) if bias is not None else out).to(out_dtype)
@@ -128,7 +131,6 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
     mat_a = a.data if _is_row_major(a.data) else a.data.contiguous()
     mat_a = _padded(mat_a, pad_k, 0)
     mat_b = _padded(_col_major_source(b), pad_k, pad_n).t()  # column-major [K', N'], as cuBLASLt FP8 wants
-    use_bias = bias is not None and bias.dtype == mm_dtype and mm_dtype != torch.float32
     mm_bias = bias
     if use_bias and pad_n:
         mm_bias = torch.nn.functional.pad(bias, (0, pad_n))
@@ -144,7 +146,7 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
     if pad_n:
         out = out[:, :n]
     if bias is not None and not use_bias:
-        out = out + bias.to(out.dtype)
+        out = out + bias.to(out.dtype)  # float32 + bias, rounded once below
     elif pad_n:
         out = out.contiguous()
     return out.to(out_dtype)
