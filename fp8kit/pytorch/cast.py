@@ -28,7 +28,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """`max |x|` over the non-NaN elements as a 0-d float32 tensor (0 for an empty or all-NaN tensor)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
-    if x.device.type != "cpu":
+    if not host.active(x.device):  # accelerators (and CPU tensors inside host.tensor_path(), as the tests run it)
         return _device_amax(x)
     lo, hi = torch.aminmax(x)
     a = torch.maximum(hi, -lo).float()  # NaN if x holds a NaN
@@ -87,7 +87,7 @@ def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: t
     """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element or a float
     holding a float32 value. `saturate=False` skips the clamp, for callers that know no product exceeds fp8_max."""
     fp8_max = FP8_MAX[fp8_dtype]
-    if x.device.type != "cpu" and x.dtype in (torch.bfloat16, torch.float16) and isinstance(scale, torch.Tensor):
+    if not host.active(x.device) and x.dtype in (torch.bfloat16, torch.float16) and isinstance(scale, torch.Tensor):
         # Accelerators: one multiply kernel reads x and writes the float32 product (a one-element 1-d scale takes
         # part in type promotion, a 0-d one would not), instead of a float32 copy of x multiplied in place.
         y = torch.mul(x, scale.reshape(1)).reshape(x.shape)
