@@ -10,6 +10,7 @@ Expected passes per training step (forward + backward) are written out below; a 
 up here as a changed count, to be explained in this file and in docs/kernels.md.
 """
 
+import gc
 import warnings
 
 import pytest
@@ -69,6 +70,7 @@ def on_meta(monkeypatch):
     monkeypatch.setattr(torch, "is_autocast_enabled", is_autocast_enabled)
     yield
     kernels.set_enabled(None)
+    gc.collect()  # meta modules' states leave the autocast registry before the next test's updates
 
 
 def _audited(step, roles=ROLES, warmup=1, steps=2):
@@ -85,7 +87,13 @@ def _audited(step, roles=ROLES, warmup=1, steps=2):
     return audit
 
 
-def _linear_step(layer, recipe, x, dy):
+def _linear_audit(recipe, m=M, k=K, n=N, roles=ROLES, steps=2):
+    """Audit Linear(k, n) forward + backward on a meta [m, k] input. The module lives only in here, so that a
+    failing test's traceback does not keep its states registered."""
+    layer = te.Linear(k, n, device=META, params_dtype=torch.bfloat16)
+    x = torch.empty(m, k, device=META, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.empty(m, n, device=META, dtype=torch.bfloat16)
+
     def step():
         x.grad = None
         for p in layer.parameters():
@@ -94,7 +102,8 @@ def _linear_step(layer, recipe, x, dy):
             y = layer(x)
         y.backward(dy)
         assert y.shape == dy.shape and x.grad.shape == x.shape and layer.weight.grad.shape == layer.weight.shape
-    return step
+
+    return _audited(step, roles=roles, steps=steps)
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
@@ -103,10 +112,7 @@ def test_linear_step_on_meta(on_meta, recipe_name, use_kernels):
     """Linear forward + backward on the accelerator path: no host sync, no CPU tensor, three `_scaled_mm` calls that
     pass CUDA's checks (HYBRID: dgrad and wgrad are E5M2 x E4M3), and the documented passes per operand."""
     kernels.set_enabled(use_kernels)
-    layer = te.Linear(K, N, device=META, params_dtype=torch.bfloat16)
-    x = torch.empty(M, K, device=META, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.empty(M, N, device=META, dtype=torch.bfloat16)
-    audit = _audited(_linear_step(layer, _recipe(recipe_name), x, dy))
+    audit = _linear_audit(_recipe(recipe_name))
     assert len(audit.gemms) == 3
     assert dict(audit.passes) == LINEAR_TODAY[(recipe_name, use_kernels)], dict(audit.ops)
 
@@ -115,10 +121,7 @@ def test_linear_step_on_meta(on_meta, recipe_name, use_kernels):
                    "lead wires it); remove this mark when it does")
 def test_linear_step_reaches_one_pass_per_operand(on_meta):
     kernels.set_enabled(True)
-    layer = te.Linear(K, N, device=META, params_dtype=torch.bfloat16)
-    x = torch.empty(M, K, device=META, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.empty(M, N, device=META, dtype=torch.bfloat16)
-    audit = _audited(_linear_step(layer, _recipe("delayed"), x, dy))
+    audit = _linear_audit(_recipe("delayed"))
     assert dict(audit.passes) == FUSED[("delayed", True)], dict(audit.ops)
 
 
@@ -168,13 +171,9 @@ def test_unaligned_shapes_run_padded(on_meta, use_kernels):
     warning per shape), pass `_scaled_mm`'s checks, and give contiguous results of the right shapes."""
     kernels.set_enabled(use_kernels)
     m, k, n = (30, 100, 50257) if use_kernels else (31, 99, 50259)  # new shapes per case: one warning per shape
-    layer = te.Linear(k, n, device=META, params_dtype=torch.bfloat16)
-    x = torch.empty(m, k, device=META, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.empty(m, n, device=META, dtype=torch.bfloat16)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        audit = _audited(_linear_step(layer, _recipe("delayed"), x, dy), roles={"x": m * k, "weight": n * k},
-                         steps=1)
+        audit = _linear_audit(_recipe("delayed"), m, k, n, roles={"x": m * k, "weight": n * k}, steps=1)
     padding = [str(w.message) for w in caught if "zero-padded" in str(w.message)]
     assert len(padding) == 3, padding  # fprop, dgrad and wgrad, once each
     assert any(f"N={n} -> {-(-n // 16) * 16}" in p for p in padding), padding
@@ -186,10 +185,7 @@ def test_pure_e5m2_runs_on_the_device(on_meta, recipe_name):
     """Format.E5M2 makes E5M2 x E5M2 GEMMs, which cuBLASLt cannot run: they are widened on the device (no
     `_scaled_mm`, no host sync, no CPU tensor)."""
     kernels.set_enabled(True)
-    layer = te.Linear(K, N, device=META, params_dtype=torch.bfloat16)
-    x = torch.empty(M, K, device=META, dtype=torch.bfloat16, requires_grad=True)
-    dy = torch.empty(M, N, device=META, dtype=torch.bfloat16)
-    audit = _audited(_linear_step(layer, _recipe(recipe_name, Format.E5M2), x, dy))
+    audit = _linear_audit(_recipe(recipe_name, Format.E5M2))
     assert audit.gemms == []
     assert sum("aten.mm" in op for ops in audit.ops.values() for op in ops) >= 3
 
