@@ -29,22 +29,12 @@ M, K, N = 384, 256, 160  # x [M, K], W [N, K], dy [M, N]: three different elemen
 ROLES = {"x": M * K, "weight": N * K, "grad_output": M * N}
 META = torch.device("meta")
 
-# Full-size passes per Linear step for the Linear as it calls the quantizers today (plain `quantize`, the bias
-# gradient as `dy.sum(0)`), by (recipe, kernels on):
-#   kernels, delayed: x 2 = the fused cast (amax into the staging slot) + the column-major copy of x for wgrad;
-#                     W 2 = cast + the column-major copy of W for dgrad; dy 3 = cast + the row-major copy of dy.T for
-#                     wgrad + the bias-gradient sum
-#   kernels, current: one amax pass more per operand
-#   no kernels: amax 2 (NaN -> 0, then the inf-norm) + cast 3 (multiply into float32, clamp, convert) + the copy
-LINEAR_TODAY = {
-    ("delayed", True): {"x": 2, "weight": 2, "grad_output": 3},
-    ("current", True): {"x": 3, "weight": 3, "grad_output": 4},
-    ("delayed", False): {"x": 6, "weight": 6, "grad_output": 7},
-    ("current", False): {"x": 6, "weight": 6, "grad_output": 7},
-}
-# With `quantize(x, transpose=True)`, `quantize(W, transpose=True)` and `quantize_dbias(dy)` (docs/kernels.md,
-# "How Linear calls them"): one pass per operand with the kernels and delayed scaling, each reading the operand once
-# (2 bytes per element, bf16) and writing the FP8 bytes and their transpose (1 + 1).
+# Full-size passes per Linear step, by (recipe, kernels on). Linear casts x and W with their transposes and dy with
+# the bias gradient (`quantize(x, transpose=True)`, `quantize(W, transpose=True)`, `quantize_dbias(dy)`; docs/kernels.md,
+# "How Linear calls them"): with the kernels and delayed scaling one pass per operand, each reading the operand once
+# (2 bytes per element, bf16) and writing the FP8 bytes and their transpose (1 + 1); current scaling adds its amax
+# pass. Without kernels: amax 2 (NaN -> 0, then the inf-norm) + cast 3 (multiply into float32, clamp, convert) + the
+# transpose copy, and the bias-gradient sum for dy.
 FUSED = {
     ("delayed", True): {"x": 1, "weight": 1, "grad_output": 1},
     ("current", True): {"x": 2, "weight": 2, "grad_output": 2},
@@ -114,15 +104,7 @@ def test_linear_step_on_meta(on_meta, recipe_name, use_kernels):
     kernels.set_enabled(use_kernels)
     audit = _linear_audit(_recipe(recipe_name))
     assert len(audit.gemms) == 3
-    assert dict(audit.passes) == LINEAR_TODAY[(recipe_name, use_kernels)], dict(audit.ops)
-
-
-@pytest.mark.xfail(strict=True, reason="Linear does not pass transpose=True / use quantize_dbias yet (issue 16: the "
-                   "lead wires it); remove this mark when it does")
-def test_linear_step_reaches_one_pass_per_operand(on_meta):
-    kernels.set_enabled(True)
-    audit = _linear_audit(_recipe("delayed"))
-    assert dict(audit.passes) == FUSED[("delayed", True)], dict(audit.ops)
+    assert dict(audit.passes) == FUSED[(recipe_name, use_kernels)], dict(audit.ops)
 
 
 def _quantizers(recipe_name, fwd, bwd):

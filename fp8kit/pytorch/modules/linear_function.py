@@ -104,6 +104,12 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _LinearFunction.apply(x, weight, bias, plan)
 
 
+def _backward_layout(q: Float8Tensor) -> torch.Tensor:
+    """The bytes to save of an FP8 operand: its transpose seen as a column-major view when the cast wrote one (what
+    the dgrad / wgrad GEMM reads without a copy), else its row-major data."""
+    return q.data_t.t() if q.data_t is not None else q.data
+
+
 def _dequantized(saved, inv, inv_value, dtype):
     return Float8Tensor(saved, inv, dtype, inv_value).dequantize(dtype)
 
@@ -122,14 +128,15 @@ class _LinearFunction(torch.autograd.Function):
             plan.weight_q.observe(weight)
         keep_x_fp8 = wgrad and not plan.save_original_input
         if fprop or keep_x_fp8:
-            x_fp8 = plan.input_q.quantize(x)
+            # on accelerators the cast also writes the transpose wgrad reads (one pass with the kernels)
+            x_fp8 = plan.input_q.quantize(x, transpose=keep_x_fp8 and not gather)
             if gather:  # quantized all-gather: every rank cast with the same scale, FP8 bytes on the wire
                 x_fp8 = all_gather_fp8(x_fp8, tp.group)
         if gather and not (fprop and keep_x_fp8):
             x = gather_along_first_dim(x, tp.group)
         if fprop or dgrad:
             if plan.weight_fp8 is None:
-                plan.weight_fp8 = plan.weight_q.quantize(weight)
+                plan.weight_fp8 = plan.weight_q.quantize(weight, transpose=dgrad)
             w_fp8 = plan.weight_fp8
         fused_bias = None if row else bias  # row parallel: the bias is added once, after the reduction
         if fprop:
@@ -143,10 +150,10 @@ class _LinearFunction(torch.autograd.Function):
         # Save FP8 operands where the backward uses them, high-precision ones only where it must.
         x_as_fp8 = keep_x_fp8 or (mode == "dequantized" and fprop and not plan.save_original_input)
         w_as_fp8 = dgrad or (mode == "dequantized" and fprop)
-        ctx.save_for_backward(
-            x_fp8.data if x_as_fp8 else x,
+        ctx.save_for_backward(  # an FP8 operand with its transpose is saved as that (column-major) layout
+            _backward_layout(x_fp8) if x_as_fp8 else x,
             x_fp8._scale_inv if x_as_fp8 else None,
-            w_fp8.data if w_as_fp8 else weight,
+            _backward_layout(w_fp8) if w_as_fp8 else weight,
             w_fp8._scale_inv if w_as_fp8 else None,
         )
         ctx.plan = plan
@@ -173,14 +180,19 @@ class _LinearFunction(torch.autograd.Function):
         dy = dy.contiguous()
         if plan.calibrate:
             plan.grad_q.observe(dy)
-        dy_fp8 = plan.grad_q.quantize(dy) if (dgrad or wgrad) else None
+        db = dy_fp8 = None
+        want_db = ctx.has_bias and ctx.needs_input_grad[2]
+        if want_db and (dgrad or wgrad):  # the bias gradient from the same pass over dy (fused with the kernels)
+            dy_fp8, db = plan.grad_q.quantize_dbias(dy)
+        elif dgrad or wgrad:
+            dy_fp8 = plan.grad_q.quantize(dy, transpose=wgrad and not gather)
         dy_local = dy
         if gather:  # row parallel with SP: dy arrives split along the sequence
             if dy_fp8 is not None:
                 dy_fp8 = all_gather_fp8(dy_fp8, tp.group)
             if not (dgrad and wgrad):
                 dy = gather_along_first_dim(dy, tp.group)
-        dx = dw = db = None
+        dx = dw = None
         if ctx.needs_input_grad[0]:
             if dgrad:
                 dx = gemm(dy_fp8, Float8Tensor(w_saved, w_inv, None, ctx.inv_values[1]), x_dtype,
@@ -199,8 +211,9 @@ class _LinearFunction(torch.autograd.Function):
             else:
                 x_operand = x_saved
             dw = _weight_grad(plan, dy_fp8 if wgrad else dy, x_operand, wgrad, w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy_local.sum(0)
+        if want_db:
+            if db is None:
+                db = dy_local.sum(0)
             if gather:
                 db = all_reduce_sum(db, tp.group)
         if plan.track_backward:
