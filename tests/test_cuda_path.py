@@ -30,11 +30,11 @@ ROLES = {"x": M * K, "weight": N * K, "grad_output": M * N}
 META = torch.device("meta")
 
 # Full-size passes per Linear step, by (recipe, kernels on). Linear casts x and W with their transposes and dy with
-# the bias gradient (`quantize(x, transpose=True)`, `quantize(W, transpose=True)`, `quantize_dbias(dy)`; docs/kernels.md,
-# "How Linear calls them"): with the kernels and delayed scaling one pass per operand, each reading the operand once
-# (2 bytes per element, bf16) and writing the FP8 bytes and their transpose (1 + 1); current scaling adds its amax
-# pass. Without kernels: amax 2 (NaN -> 0, then the inf-norm) + cast 3 (multiply into float32, clamp, convert) + the
-# transpose copy, and the bias-gradient sum for dy.
+# the bias gradient (`quantize(x, transpose=True)`, `quantize(W, transpose=True)`, `quantize_dbias(dy)`;
+# docs/kernels.md, "How Linear calls them"): with the kernels and delayed scaling one pass per operand, each reading
+# the operand once (2 bytes per element, bf16) and writing the FP8 bytes and their transpose (1 + 1); current scaling
+# adds its amax pass. Without kernels: amax 2 (NaN -> 0, then the inf-norm) + cast 3 (multiply into float32, clamp,
+# convert) + the transpose copy, and the bias-gradient sum for dy.
 FUSED = {
     ("delayed", True): {"x": 1, "weight": 1, "grad_output": 1},
     ("current", True): {"x": 2, "weight": 2, "grad_output": 2},
