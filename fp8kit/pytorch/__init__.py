@@ -9,6 +9,7 @@ from .cast import quantize
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
+from .fp8_weights import fp8_model_init, quantized_model_init
 from .modules import LayerNorm, LayerNormLinear, Linear, RMSNorm
 from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, prepare_for_saving, restore_from_saved
 from .rng import CudaRNGStatesTracker
@@ -22,5 +23,5 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            "Float8Tensor", "convert_model", "distributed",
            "checkpoint", "CudaRNGStatesTracker", "DType", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
-           "prepare_for_saving", "restore_from_saved",
+           "prepare_for_saving", "restore_from_saved", "quantized_model_init", "fp8_model_init",
            "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats"]
