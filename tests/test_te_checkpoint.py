@@ -174,9 +174,9 @@ def test_te1_bytesio_layout_through_a_weights_only_file():
 
 
 @pytest.mark.parametrize("extra", [
-    torch.empty(0, dtype=torch.uint8),  # TE 2.x with nothing to keep
-    "pickled None",  # TE 2.0 - 2.15 outside FP8, TE 0.6 - 0.11 likewise
-    "current scaling",  # TE 2.x under Float8CurrentScaling: a recipe, no scales
+    torch.empty(0, dtype=torch.uint8),  # TE 2.4 on, a module that never ran in FP8 (2.18 on: stateless recipes)
+    "pickled None",  # TE 2.0 - 2.3 and 0.6 - 0.11, a module that never ran in FP8
+    "current scaling",  # TE 2.0 - 2.17 under Float8CurrentScaling: a recipe, no scales
     None,
 ])
 def test_te_checkpoints_without_delayed_state_load_parameters_only(extra):

@@ -3,6 +3,15 @@
 
 from . import distributed
 from .autocast import autocast, fp8_autocast
+from .availability import (
+    get_default_recipe,
+    get_device_compute_capability,
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
 from .cast import quantize
 from .checkpoint import checkpoint
 from .convert import convert_model
@@ -14,4 +23,7 @@ from .tensor import Float8Tensor
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "Float8Tensor", "convert_model", "distributed",
            "checkpoint", "CudaRNGStatesTracker",
-           "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats"]
+           "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats",
+           # Transformer Engine's availability queries (availability.py)
+           "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
+           "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability"]

@@ -4,9 +4,10 @@ Transformer Engine modules keep their delayed-scaling state as a pickled Python 
 The layouts this reader takes (from the history of `get_extra_state` in transformer_engine/pytorch/module/base.py,
 and module.py before 0.9):
 
-- TE 0.6 - 0.11 and 2.0 - 2.18+: a uint8 tensor holding `pickle.dumps(state)` (TE 0.12 - 1.13 also wrote it so
-  under ONNX export). TE 2.x adds `"recipe"` (a `transformer_engine.common.recipe` object) and writes the scales
-  for delayed scaling only; newer 2.x write an empty tensor when there is nothing to keep.
+- TE 0.6 - 0.11 and 2.0 - 2.20 (main in 2026): a uint8 tensor holding `pickle.dumps(state)` (TE 0.12 - 1.13 also
+  wrote it so under ONNX export). TE 2.x adds `"recipe"` (a `transformer_engine.common.recipe` object) and writes
+  the scales for delayed scaling only; from 2.4 a module that never ran in FP8 writes an empty tensor (before: the
+  pickle of None), from 2.18 so does a stateless recipe (current scaling, block scaling).
 - TE 0.12 - 1.13: an `io.BytesIO` holding `torch.save(state)`.
 - a dict: already unpickled by whoever loaded the checkpoint (TE 0.3 - 0.5 stored the dict itself).
 
