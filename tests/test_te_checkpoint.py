@@ -216,6 +216,27 @@ def test_nested_prefixes():
     assert torch.equal(dst[0].fp8_meta["scaling_fwd"].amax_history, src[0].fp8_meta["scaling_fwd"].amax_history)
 
 
+def test_te_norm_checkpoints_load_strictly():
+    """TE's LayerNorm / RMSNorm (te.ops modules since TE 1.13) save `weight`, `bias` and an `_extra_state`."""
+    model = torch.nn.Sequential(te.LayerNorm(16), te.Linear(16, 32), te.RMSNorm(32))
+    with torch.no_grad():
+        model[0].weight.uniform_()
+        model[2].weight.uniform_()
+    trained(model)
+    sd = model.state_dict()
+    te_sd = {k: v for k, v in sd.items() if not k.startswith("1.")}
+    te_sd.update({f"1.{k}": v for k, v in te_layout({k[2:]: v for k, v in sd.items() if k.startswith("1.")}).items()})
+    te_sd.update({"0._extra_state": torch.empty(0, dtype=torch.uint8),
+                  "2._extra_state": torch.empty(0, dtype=torch.uint8)})
+    assert sorted(te_sd) == ["0._extra_state", "0.bias", "0.weight", "1._extra_state", "1.bias", "1.weight",
+                             "2._extra_state", "2.weight"]
+    fresh = torch.nn.Sequential(te.LayerNorm(16), te.Linear(16, 32), te.RMSNorm(32))
+    fresh.load_state_dict(te_sd, strict=True)
+    assert torch.equal(fresh[0].weight, model[0].weight) and torch.equal(fresh[2].weight, model[2].weight)
+    with pytest.raises(RuntimeError, match="Unexpected key.*0._extra_stat"):  # misspelt keys stay unexpected
+        fresh.load_state_dict(dict(te_sd, **{"0._extra_stat": torch.empty(0)}), strict=True)
+
+
 # ---- refusals --------------------------------------------------------------------------------------------------
 
 class _Evil:

@@ -37,7 +37,7 @@ from typing import Any, Dict, List, Mapping, MutableMapping, Optional
 import torch
 
 __all__ = ["TEExtraState", "TEObject", "RestrictedUnpickler", "read_extra_state", "EXTRA_STATE_KEY",
-           "with_te_extra_state"]
+           "with_te_extra_state", "accept_extra_state"]
 
 EXTRA_STATE_KEY = "_extra_state"  # torch.nn.Module's suffix for get_extra_state / set_extra_state
 _RECIPE_MODULE = "transformer_engine.common.recipe"
@@ -314,3 +314,11 @@ def with_te_extra_state(state_dict: Mapping, prefix: str, num_gemms: int, unexpe
         for f, value in found.items():
             added[f"{ours}{name}.{f}"] = value
     return ChainMap(added, state_dict)
+
+
+def accept_extra_state(prefix: str, unexpected_keys: List[str]) -> None:
+    """The hook of fp8kit modules without FP8 state (LayerNorm, RMSNorm): Transformer Engine's versions of them
+    (built on te.ops since TE 1.13) save a `<prefix>_extra_state` too, which holds nothing such a module uses, so it
+    is not an unexpected key. Nothing of it is read."""
+    key = prefix + EXTRA_STATE_KEY
+    unexpected_keys[:] = [k for k in unexpected_keys if k != key]
