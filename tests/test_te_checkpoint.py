@@ -251,6 +251,12 @@ class _EvilStorage:
         return torch.storage._load_from_bytes, (pickle.dumps(_Evil()),)
 
 
+def _saved(obj):
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf
+
+
 def _bytes(obj):
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
@@ -262,6 +268,7 @@ def _bytes(obj):
     (lambda: _bytes({"scale_fwd": _EvilStorage()}), f"{os.system.__module__}.system"),
     (lambda: _bytes({"recipe": DelayedScaling(amax_compute_algo=sorted)}), "builtins.sorted"),
     (lambda: _bytes({"recipe": _Evil}), "test_te_checkpoint._Evil"),
+    (lambda: _saved({"scale_fwd": _Evil()}), f"{os.system.__module__}.system"),  # TE 1.x's io.BytesIO
 ])
 def test_arbitrary_code_is_refused_naming_the_class(payload, named, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -128,6 +128,9 @@ def _load_from_bytes(data: bytes):
 def _reason(err: Exception) -> str:
     """The gist of torch.load's weights_only error (which goes on to suggest weights_only=False)."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    for line in lines:
+        if "GLOBAL" in line:
+            return line
     for i, line in enumerate(lines):
         if "WeightsUnpickler error" in line and i + 1 < len(lines):
             return lines[i + 1]
@@ -231,7 +234,8 @@ def read_extra_state(value) -> Optional[TEExtraState]:
         try:
             state = torch.load(io.BytesIO(value.getvalue()), weights_only=True, map_location="cpu")
         except pickle.UnpicklingError as err:
-            raise pickle.UnpicklingError(f"torch.load(weights_only=True) refused the io.BytesIO: {err}") from None
+            raise pickle.UnpicklingError(
+                f"torch.load(weights_only=True) refused the io.BytesIO: {_reason(err)}") from None
         layout = "io.BytesIO of torch.save (TE 0.12 - 1.13)"
     elif isinstance(value, dict):
         state, layout = value, "dict"
