@@ -10,6 +10,8 @@ as short comments; lines marked "fp8kit addition" compare the layers' outputs. T
 `te.TransformerLayer`, which fp8kit does not have yet; the last cell here applies the notebook's "Enabling FP8"
 steps (cells 23-25) to the TE layer built earlier instead.
 
+The "Mean time" lines are CPU times of emulated FP8 and of CPU float16 GEMMs: they say nothing about GPU speed.
+
 Run: python examples/te_quickstart.py   (cells start at "# %%", as in Jupyter's percent format)
 """
 # ruff: noqa: E402, I001  (the notebook's imports stay in the cells where it has them)
