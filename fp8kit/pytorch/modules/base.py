@@ -18,6 +18,7 @@ from ..distributed import label_states
 from ..quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
+from ..te_checkpoint import with_te_extra_state
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 _FIELDS = ("amax_history", "scale", "update_count")
@@ -198,6 +199,9 @@ class FP8StateMixin:
                                       error_msgs)
         ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
+        # Transformer Engine's `<prefix>_extra_state`, read without arbitrary pickle (te_checkpoint.py): accepted,
+        # and used as the fp8_meta entries when the checkpoint has none of fp8kit's
+        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms, unexpected_keys, error_msgs)
         entries, problems = {}, []
         for name, per_gemm in _PASSES:
             base = f"{prefix}fp8_meta.{name}."
