@@ -6,12 +6,22 @@ from .autocast import autocast, fp8_autocast
 from .cast import quantize
 from .checkpoint import checkpoint
 from .convert import convert_model
-from .modules import LayerNorm, LayerNormLinear, Linear, RMSNorm
+from .modules import (
+    Fp8Padding,
+    Fp8Unpadding,
+    GroupedLinear,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    RMSNorm,
+)
 from .rng import CudaRNGStatesTracker
 from .stats import disable_stats, enable_stats, format_stats, reset_stats, stats, stats_to_csv
 from .tensor import Float8Tensor
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
+           "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
            "Float8Tensor", "convert_model", "distributed",
            "checkpoint", "CudaRNGStatesTracker",
            "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats"]
