@@ -124,6 +124,22 @@ def check_tp_layernorm_mlp():
             for recipe in RECIPES:
                 report[(activation, sp, type(recipe).__name__)] = _mlp_case(activation, sp, recipe)
     print("LayerNormMLP TP worst SQNR (dB):", {k: round(v, 1) for k, v in report.items()})
+    # the norm's output, gathered along the sequence (sequence parallelism), with its gradient reduce-scattered
+    torch.manual_seed(13)
+    mlp = te.LayerNormMLP(H, FFN, set_parallel_mode=True, tp_group=dist.group.WORLD, sequence_parallel=True,
+                          return_layernorm_output=True, return_layernorm_output_gathered=True)
+    x = torch.randn(S, B, H, generator=torch.Generator().manual_seed(14))
+    seq = slice(RANK * S // WORLD, (RANK + 1) * S // WORLD)
+    xr = x[seq].clone().requires_grad_()
+    with te.autocast(recipe=RECIPES[1]):
+        y, ln_out = mlp(xr)
+    want = torch.nn.functional.layer_norm(x, (H,), mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.eps)
+    assert y.shape == (S // WORLD, B, H) and torch.equal(ln_out, want)
+    ln_out.backward(torch.ones_like(ln_out))  # every rank's use of the gathered output reaches its block
+    x_hp = x.clone().requires_grad_()
+    torch.nn.functional.layer_norm(x_hp, (H,), mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.eps).backward(
+        torch.full((S, B, H), float(WORLD)))
+    torch.testing.assert_close(xr.grad, x_hp.grad[seq])
 
 
 def _lnl_case(sp, recipe, steps=3):

@@ -31,7 +31,7 @@ FOUR_RANKS = ["tp_dp_4_ranks", "moe_skip", "amax_reduction"]
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(2, TWO_RANKS, timeout=90)
+    return launch(2, TWO_RANKS, timeout=120)
 
 
 @pytest.fixture(scope="module")

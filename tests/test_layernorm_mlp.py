@@ -343,3 +343,22 @@ def test_clamped_swiglu_params_reach_the_module():
         default = Composition(te.LayerNormMLP(16, 8, activation="clamped_swiglu"))
         default.load_state_dict(comp.state_dict())
         assert not torch.equal(default(x), comp(x))
+
+
+def test_calibration_computes_in_high_precision_and_records_the_composition_amaxes():
+    torch.manual_seed(11)
+    mlp = te.LayerNormMLP(32, 48, activation="swiglu")
+    comp = Composition(mlp)
+    x = inputs(1)[0]
+    with te.autocast(enabled=False, calibrating=True, recipe=DELAYED):
+        ya = mlp(x.clone().requires_grad_())
+    with te.autocast(enabled=False, calibrating=True, recipe=dataclasses.replace(DELAYED, reduce_amax=False)):
+        yb = comp(x.clone().requires_grad_())
+    ya.sum().backward()
+    yb.sum().backward()
+    with torch.no_grad():
+        assert bitwise_equal(ya, _reference_forward(mlp, x, "swiglu")[0])
+    assert bitwise_equal(ya, yb)
+    for a, b in zip(mlp_states(mlp), comp.fused_states()):
+        assert torch.equal(a, b)
+    assert mlp.fp8_meta["scaling_fwd"].amax_history[-1, 3] > 0 and mlp.fp8_meta["scaling_bwd"].amax_history[-1, 0] > 0
