@@ -135,11 +135,19 @@ def check_tp_layernorm_mlp():
         y, ln_out = mlp(xr)
     want = torch.nn.functional.layer_norm(x, (H,), mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.eps)
     assert y.shape == (S // WORLD, B, H) and torch.equal(ln_out, want)
+    assert mlp.layer_norm_weight.sequence_parallel and mlp.layer_norm_bias.sequence_parallel
     ln_out.backward(torch.ones_like(ln_out))  # every rank's use of the gathered output reaches its block
     x_hp = x.clone().requires_grad_()
     torch.nn.functional.layer_norm(x_hp, (H,), mlp.layer_norm_weight, mlp.layer_norm_bias, mlp.eps).backward(
         torch.full((S, B, H), float(WORLD)))
     torch.testing.assert_close(xr.grad, x_hp.grad[seq])
+    try:  # delayed scaling without amax reduction cannot share the scale of the FP8 all-gathers
+        with te.autocast(recipe=DelayedScaling(reduce_amax=False)):
+            mlp(xr)
+    except ValueError as e:
+        assert "same scale on every tensor-parallel rank" in str(e), str(e)
+    else:
+        raise AssertionError("no error for sequence parallelism without amax reduction")
 
 
 def _lnl_case(sp, recipe, steps=3):

@@ -169,6 +169,25 @@ def test_fuse_wgrad_accumulation_and_delayed_wgrad(recipe):
         assert torch.equal(wd.grad, wp.grad)
 
 
+def test_is_first_microbatch_caches_every_fp8_weight():
+    torch.manual_seed(9)
+    g = te.GroupedLinear(2, 16, 8)
+    x = torch.randn(10, 16)
+    with te.autocast(recipe=DELAYED):
+        y1 = g(x, [4, 6], is_first_microbatch=True)
+        with torch.no_grad():
+            g.weight0.mul_(2.0)
+            g.weight1.mul_(2.0)
+        y2 = g(x, [4, 6], is_first_microbatch=False)  # the cached FP8 weights ignore the change
+    assert torch.equal(y1, y2)
+    with te.autocast(recipe=DELAYED):
+        g(x, [4, 6], is_first_microbatch=False)
+        staging = g.fp8_meta["scaling_fwd"].amax_history[0]
+        assert staging[1] == 0 and staging[4] == 0 and staging[0] > 0 and staging[3] > 0  # no weight cast
+        g(x, [4, 6])
+        assert staging[1] == ref.amax(np32(g.weight0)) and staging[4] == ref.amax(np32(g.weight1))
+
+
 def test_bad_splits_and_arguments_are_named():
     g = te.GroupedLinear(3, 16, 8)
     x = torch.randn(12, 16)

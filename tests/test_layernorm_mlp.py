@@ -140,7 +140,8 @@ def test_outside_autocast_equals_torch_ops_bit_for_bit(normalization, name, bias
 
 # ---- FP8: the fused module equals the composition of fp8kit's modules ----------------------------------------
 
-@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT, Float8CurrentScaling(backward_override="dequantized")],
+                         ids=["delayed", "current", "current-dequantized-backward"])
 @pytest.mark.parametrize("normalization,name,dtype", [
     ("LayerNorm", "gelu", torch.float32), ("RMSNorm", "swiglu", torch.float32),
     ("LayerNorm", "srelu", torch.bfloat16), ("RMSNorm", "qgeglu", torch.bfloat16),
