@@ -264,3 +264,24 @@ def test_padded_grouped_linear_gives_the_unpadded_rows(recipe):
         want = twin(x, splits)
     assert padded == [16, 0, 16] and y.shape == want.shape
     torch.testing.assert_close(y, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_fp8_weights_equal_one_linear_per_split(recipe):
+    other = dataclasses.replace(recipe, reduce_amax=False) if recipe is DELAYED else recipe
+    torch.manual_seed(10)
+    with te.quantized_model_init(recipe=recipe):
+        g = te.GroupedLinear(2, 16, 8)
+    torch.manual_seed(10)
+    with te.quantized_model_init(recipe=other):
+        layers = [te.Linear(16, 8), te.Linear(16, 8)]
+    assert all(isinstance(getattr(g, f"weight{i}"), te.Float8Tensor) for i in range(2))
+    x = torch.randn(10, 16)
+    with te.autocast(recipe=recipe):
+        ya = g(x, [3, 7])
+    with te.autocast(recipe=other):
+        yb = torch.cat([layer(part) for layer, part in zip(layers, x.split([3, 7]))])
+    assert bitwise_equal(ya, yb)
+    if recipe is DELAYED:  # each weight's quantizer staged its amax in its GEMM's weight slot
+        staged = [g.fp8_meta["scaling_fwd"].amax_history[-1, 3 * i + 1] for i in range(2)]
+        assert staged == [layer.fp8_meta["scaling_fwd"].amax_history[-1, 1] for layer in layers]

@@ -363,3 +363,36 @@ def test_calibration_computes_in_high_precision_and_records_the_composition_amax
     for a, b in zip(mlp_states(mlp), comp.fused_states()):
         assert torch.equal(a, b)
     assert mlp.fp8_meta["scaling_fwd"].amax_history[-1, 3] > 0 and mlp.fp8_meta["scaling_bwd"].amax_history[-1, 0] > 0
+
+
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_fp8_weights_equal_the_composition_built_the_same_way(recipe):
+    """Under quantized_model_init fc1_weight and fc2_weight are Float8Tensor parameters (slots 1 and 4 under
+    delayed scaling); the module equals norm + te.Linear + activation + te.Linear created the same way."""
+    other = dataclasses.replace(recipe, reduce_amax=False) if recipe is DELAYED else recipe
+    torch.manual_seed(12)
+    with te.quantized_model_init(recipe=recipe):
+        mlp = te.LayerNormMLP(32, 48, activation="srelu")
+    torch.manual_seed(12)
+    with te.quantized_model_init(recipe=other):
+        norm, fc1, fc2 = te.LayerNorm(32), te.Linear(32, 48), te.Linear(48, 32)
+    assert isinstance(mlp.fc1_weight, te.Float8Tensor) and isinstance(mlp.fc2_weight, te.Float8Tensor)
+    assert not isinstance(mlp.layer_norm_weight, te.Float8Tensor) and not isinstance(mlp.fc1_bias, te.Float8Tensor)
+    for a, b in ((mlp.fc1_weight, fc1.weight), (mlp.fc2_weight, fc2.weight)):
+        assert torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8))
+    opt_a = torch.optim.SGD(mlp.parameters(), lr=0.5)
+    opt_b = torch.optim.SGD(list(norm.parameters()) + list(fc1.parameters()) + list(fc2.parameters()), lr=0.5)
+    for step, x in enumerate(inputs(2)):
+        with te.autocast(recipe=recipe):
+            ya = mlp(x)
+        with te.autocast(recipe=other):
+            yb = fc2(torch_activation("srelu", fc1(norm(x))))
+        ya.square().sum().backward()
+        yb.square().sum().backward()
+        assert bitwise_equal(ya, yb), f"step {step}"
+        opt_a.step()  # the FP8 weights are requantized in place
+        opt_b.step()
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        for a, b in ((mlp.fc1_weight, fc1.weight), (mlp.fc2_weight, fc2.weight)):
+            assert torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8)), f"step {step}"

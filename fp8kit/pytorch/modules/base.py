@@ -101,6 +101,14 @@ class FP8StateMixin:
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None}
         self._fp8_records = RecordQueue()
 
+    def create_fp8_states(self, length: int, device) -> None:
+        """Create the delayed-scaling states now (not registered until the first FP8 forward), e.g. for FP8 weights
+        whose quantizer reads the weight slot's scale."""
+        meta = self.fp8_meta
+        for name, per_gemm in _PASSES:
+            if meta[name] is None:
+                meta[name] = ScalingState(per_gemm * self.num_gemms, length, device)
+
     def current_scaling_groups(self, gemm: int = 0) -> Tuple[object, object, object]:
         """The amax-reduction groups of the (input, weight, grad_output) casts of GEMM `gemm` under current scaling;
         modules split over a tensor-parallel group override this."""
@@ -119,9 +127,9 @@ class FP8StateMixin:
         # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
         will_recompute = not grad and needs_backward and in_reentrant_checkpoint()
         counted = frame.records_amax and needs_backward and (grad or will_recompute)
-        if frame.records_amax:
-            frame.step.forward_called(frame.key, counted)
         states = self.fp8_states(frame, device) if isinstance(frame.recipe, DelayedScaling) else None
+        if frame.records_amax:
+            frame.step.forward_called(frame.key, counted, states)
         record = None
         if grad or will_recompute:  # a recompute of this call may come: say how to repeat it
             record = ForwardRecord(frame, _scale_snapshot(states), counted)

@@ -11,6 +11,8 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ...recipe import DelayedScaling
+from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
+from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8StateMixin
 from .gemm_call import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
@@ -125,13 +127,18 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
 
     def reset_parameters(self) -> None:
         """Transformer Engine's initialisation: `init_method(weight{i})` for i = 0, 1, ... (default normal, std
-        0.023), under `get_rng_state_tracker`'s state if given; zero biases."""
+        0.023), under `get_rng_state_tracker`'s state if given; zero biases. Under `quantized_model_init` the
+        weights become Float8Tensor parameters, as `Linear`'s."""
         init_fn = self.init_method or default_init_method()
         for i in range(self.num_gemms):
             init_parameter(getattr(self, f"weight{i}"), init_fn, self.get_rng_state_tracker, self.rng_tracker_name)
             if self.use_bias:
                 with torch.no_grad():
                     getattr(self, f"bias{i}").zero_()
+        settings = quantized_init_settings()  # under quantized_model_init: FP8 weight parameters
+        for i in range(self.num_gemms):
+            if settings is not None and not isinstance(getattr(self, f"weight{i}"), Float8Tensor):
+                quantize_weight_parameter(self, f"weight{i}", i, settings)
 
     @property
     def tp_group(self):

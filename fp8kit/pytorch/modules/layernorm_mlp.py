@@ -19,7 +19,9 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from ...recipe import DelayedScaling
 from ..distributed import check_shared_scales, gather_with_grad, tensor_parallel
+from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
 from ..recompute import in_backward
+from ..tensor.float8_tensor import Float8Tensor
 from .activation import activation, activation_saving_input, check_activation, is_gated
 from .base import FP8StateMixin
 from .gemm_call import high_precision_plan, linear_call, track_gemm_backwards
@@ -178,7 +180,8 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
     def reset_parameters(self) -> None:
         """Transformer Engine's initialisation: the norm's gamma = 1 (0 with `zero_centered_gamma`), beta = 0;
         `init_method(fc1_weight)`, `output_layer_init_method(fc2_weight)` (default normal, std 0.023, in this
-        order, under `get_rng_state_tracker`'s state if given); zero biases."""
+        order, under `get_rng_state_tracker`'s state if given); zero biases. Under `quantized_model_init` the two
+        weights become Float8Tensor parameters, as `Linear`'s."""
         with torch.no_grad():
             self.layer_norm_weight.fill_(0.0 if self.zero_centered_gamma else 1.0)
             for p in (self.layer_norm_bias, self.fc1_bias, self.fc2_bias):
@@ -191,6 +194,10 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
             for p in (self.layer_norm_weight, self.layer_norm_bias, self.fc2_bias):
                 if p is not None:
                     p.sequence_parallel = True
+        settings = quantized_init_settings()  # under quantized_model_init: FP8 weight parameters
+        for gemm, name in enumerate(("fc1_weight", "fc2_weight")):
+            if settings is not None and not isinstance(getattr(self, name), Float8Tensor):
+                quantize_weight_parameter(self, name, gemm, settings)
 
     # ---- tensor parallelism ----
 
