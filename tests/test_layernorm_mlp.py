@@ -396,3 +396,30 @@ def test_fp8_weights_equal_the_composition_built_the_same_way(recipe):
         opt_b.zero_grad()
         for a, b in ((mlp.fc1_weight, fc1.weight), (mlp.fc2_weight, fc2.weight)):
             assert torch.equal(a._data.view(torch.uint8), b._data.view(torch.uint8)), f"step {step}"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("recipe", [DELAYED, CURRENT], ids=["delayed", "current"])
+def test_cuda_fused_is_bit_identical_to_the_composition(recipe):
+    torch.manual_seed(13)
+    mlp = te.LayerNormMLP(64, 128, activation="swiglu", params_dtype=torch.bfloat16, device="cuda")
+    comp = Composition(mlp).cuda()
+    other = dataclasses.replace(recipe, reduce_amax=False) if recipe is DELAYED else recipe
+    for step, x in enumerate(inputs(2, shape=(16, 2, 64), dtype=torch.bfloat16)):
+        x = x.cuda()
+        g = torch.randn(x.shape, device="cuda").to(torch.bfloat16)
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            ya = mlp(xa)
+        with te.autocast(recipe=other):
+            yb = comp(xb)
+        ya.backward(g)
+        yb.backward(g)
+        assert bitwise_equal(ya, yb) and bitwise_equal(xa.grad, xb.grad), f"step {step}"
+        for a, b in zip([p.grad for p in mlp.parameters()], comp.fused_grads()):
+            assert bitwise_equal(a, b), f"step {step}"
+        if recipe is DELAYED:
+            for a, b in zip(mlp_states(mlp), comp.fused_states()):
+                assert torch.equal(a, b), f"step {step}"
+        mlp.zero_grad()
+        comp.zero_grad()
