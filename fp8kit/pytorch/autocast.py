@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -26,6 +25,7 @@ import torch
 
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from . import registry
+from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .registry import register as _register_states
 from .registry import registry_states
@@ -50,7 +50,9 @@ class _Step:
         self.entered: Dict[tuple, int] = {}  # delayed-scaling keys entered, in order -> the key's step number
         self.pending_backward = 0
         self.backward_finished = False  # the step's backward update has run
-        self.lock = threading.Lock()
+        # the calls of a step traced by torch.compile (no per-step Python state at run time); None when eager
+        self.traced: Optional[TracedCalls] = TracedCalls() if compiling() else None
+        self.graph_calls: list = []  # (module, needs_backward) of the calls made under a graph-capture frame
 
     def forward_called(self, key, needs_backward: bool, states=None) -> None:
         """A module call recording amaxes under `key`; `states`: its (forward, backward) ScalingStates."""
@@ -60,23 +62,23 @@ class _Step:
         if states is not None and id(states[0]) not in ran:
             ran[id(states[0])] = weakref.ref(states[0])
         if needs_backward:
-            with self.lock:
-                self.pending_backward += 1
-                backward = self.backward_keys.get(key)
-                if backward is None:
-                    backward = self.backward_keys[key] = {}
-                if states is not None and id(states[1]) not in backward:
-                    backward[id(states[1])] = weakref.ref(states[1])
+            self.pending_backward += 1
+            backward = self.backward_keys.get(key)
+            if backward is None:
+                backward = self.backward_keys[key] = {}
+            if states is not None and id(states[1]) not in backward:
+                backward[id(states[1])] = weakref.ref(states[1])
 
     def backward_done(self) -> None:
-        with self.lock:
-            if self.pending_backward <= 0:
-                return
-            self.pending_backward -= 1
-            run = self.pending_backward == 0
-            keys = dict(self.backward_keys)
-            if run:
-                self.backward_keys = {}
+        # One backward runs at a time per step (autograd runs a CPU graph and a single-device graph on one thread);
+        # no lock, so that torch.compile traces this too.
+        if self.pending_backward <= 0:
+            return
+        self.pending_backward -= 1
+        run = self.pending_backward == 0
+        keys = dict(self.backward_keys)
+        if run:
+            self.backward_keys = {}
         if run:
             self.backward_finished = True
             release_step(self)  # no recompute of this step is left to come
@@ -109,6 +111,9 @@ class Frame:
     group: object
     step: _Step = field(compare=False)
     replay: bool = field(default=False, compare=False)  # entered by a recompute during backward: updates nothing
+    # inside a graph being captured (make_graphed_callables): calls keep no per-step Python state and nothing is
+    # updated; the graphed callable does that bookkeeping at each replay (fp8kit.pytorch.graph)
+    graph: bool = field(default=False, compare=False)
 
     @property
     def key(self) -> tuple:
@@ -120,12 +125,19 @@ class Frame:
         return isinstance(self.recipe, DelayedScaling) and (self.enabled or self.calibrating)
 
 
-_STACK: contextvars.ContextVar[Tuple[Frame, ...]] = contextvars.ContextVar("fp8kit_autocast_stack", default=())
+class _ThreadStack(threading.local):
+    """The autocast stack of this thread (a tuple of Frames). A thread-local rather than a ContextVar, because
+    torch.compile traces thread-local attributes but not ContextVar.reset."""
+
+    frames: Tuple[Frame, ...] = ()
+
+
+_STACK = _ThreadStack()
 
 
 def current_frame() -> Optional[Frame]:
     """The innermost autocast frame, or None outside any autocast."""
-    stack = _STACK.get()
+    stack = _STACK.frames
     return stack[-1] if stack else None
 
 
@@ -139,7 +151,11 @@ def _update_step(step: _Step) -> None:
     reduced = [key for key in step.entered if registry.reduces(key)]
     for key, states in step.forward_keys.items():
         if key not in reduced:
-            registry.update_key(key, "forward", _alive(states))
+            registry.update_key(key, "forward", _alive(states) + (flagged_forward(key) if PENDING.any else []))
+    if PENDING.any:  # keys only compiled calls used
+        for key in step.entered:
+            if key not in reduced and key not in step.forward_keys:
+                registry.update_key(key, "forward", flagged_forward(key))
     if registry.dist_initialized():
         from .amax_reduction import check_local_key, reduced_update
 
@@ -161,7 +177,9 @@ def has_pending_backward(state: ScalingState) -> bool:
 
 
 def run_pending_backward() -> None:
-    """The deferred backward updates of reduced keys, in the order their steps exited (the same on every rank)."""
+    """The deferred backward updates: those compiled steps left (fp8kit.pytorch.compiled), then those of reduced
+    keys, in the order their steps exited (the same on every rank)."""
+    flush_backward()
     if not _PENDING_BACKWARD:
         return
     from .amax_reduction import reduced_update
@@ -216,21 +234,32 @@ def autocast(
     if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
         raise TypeError(f"autocast: enabled and calibrating must be bools, got {enabled!r} and {calibrating!r}")
     recipe = _check_recipe(recipe)
-    stack = _STACK.get()
+    stack = _STACK.frames
     if in_backward() or (stack and stack[-1].replay):
-        token = _STACK.set(stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, _Step(), True),))
+        _STACK.frames = stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, _Step(), True),)
         try:
             yield
         finally:
-            _STACK.reset(token)
+            _STACK.frames = stack
         return
-    if not stack and _PENDING_BACKWARD and torch.is_grad_enabled():
+    if stack and stack[0].graph:
+        _STACK.frames = stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, stack[0].step, graph=True),)
+        try:
+            yield
+        finally:
+            _STACK.frames = stack
+        return
+    if compiling():
+        yield from _traced_autocast(stack, Frame(enabled, calibrating, recipe, amax_reduction_group,
+                                                 stack[0].step if stack else _Step()))
+        return
+    if not stack and (_PENDING_BACKWARD or PENDING.any) and torch.is_grad_enabled():
         run_pending_backward()
     step = stack[0].step if stack else _Step()
     frame = Frame(enabled, calibrating, recipe, amax_reduction_group, step)
     if frame.records_amax and frame.key not in step.entered:
         step.entered[frame.key] = registry.key_entry(recipe, amax_reduction_group).begin_step(torch.is_grad_enabled())
-    token = _STACK.set(stack + (frame,))
+    _STACK.frames = stack + (frame,)
     try:
         yield
     except BaseException:
@@ -238,9 +267,36 @@ def autocast(
             step.abort()
         raise
     finally:
-        _STACK.reset(token)
+        _STACK.frames = stack
     if not stack and (torch.is_grad_enabled() or in_reentrant_checkpoint()):
         _update_step(step)
+
+
+def _traced_autocast(stack, frame: Frame) -> Iterator[None]:
+    """autocast while torch.compile traces: the frame stack as in eager; an outermost exit with grad enabled runs
+    the traced updates (fp8kit.pytorch.compiled)."""
+    _STACK.frames = stack + (frame,)
+    try:
+        yield
+    finally:
+        _STACK.frames = stack
+    if not stack and torch.is_grad_enabled() and frame.step.traced is not None:
+        frame.step.traced.update()
+
+
+@contextlib.contextmanager
+def graph_capture_autocast(enabled: bool, calibrating: bool, recipe: Optional[Recipe],
+                           amax_reduction_group=None) -> Iterator[None]:
+    """The autocast a graph is captured under (make_graphed_callables): modules cast and record amaxes as usual,
+    but keep no per-step Python state, and its exit updates nothing."""
+    recipe = _check_recipe(recipe)
+    stack = _STACK.frames
+    step = _Step()
+    _STACK.frames = stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, step, graph=True),)
+    try:
+        yield step
+    finally:
+        _STACK.frames = stack
 
 
 def fp8_autocast(enabled: bool = True, calibrating: bool = False, fp8_recipe: Optional[Recipe] = None,

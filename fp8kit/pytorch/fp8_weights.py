@@ -81,7 +81,7 @@ class StateQuantizer(Float8Quantizer):
 
     def __init__(self, state, slot: int, fp8_dtype):
         self.state, self.slot = state, slot
-        super().__init__(state.scale[slot:slot + 1], state.amax_history[0, slot:slot + 1], fp8_dtype)
+        super().__init__(state.scale[slot:slot + 1], state.staging(slice(slot, slot + 1)), fp8_dtype)
 
     @property
     def scale(self) -> torch.Tensor:
@@ -89,7 +89,7 @@ class StateQuantizer(Float8Quantizer):
 
     @property
     def amax(self) -> torch.Tensor:
-        return self.state.amax_history[0, self.slot:self.slot + 1]
+        return self.state.staging(slice(self.slot, self.slot + 1))
 
     def copy(self) -> "StateQuantizer":
         out = StateQuantizer(self.state, self.slot, self.dtype)

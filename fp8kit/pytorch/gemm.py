@@ -52,7 +52,9 @@ def gemm(
 ) -> torch.Tensor:
     """`(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
     if a._data.device.type == "cpu":
-        return _emulated(a, b, out_dtype, bias)
+        if torch.compiler.is_compiling():  # the same code, as one opaque operation (it reads alpha on the host)
+            return torch.ops.fp8kit.emulated_mm(a._data, a.scale_inv, b._data, b.scale_inv, bias, out_dtype)
+        return emulated(a, b, out_dtype, bias)
     if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
         return widened_gemm(a, b, out_dtype, bias)
     return scaled_mm(a, b, out_dtype, bias, use_fast_accum)
@@ -152,14 +154,14 @@ def scaled_mm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.d
     return out.to(out_dtype)
 
 
-def _emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dtype, bias: Optional[torch.Tensor]):
-    """The CPU path (host floats for alpha: CPU tensors only)."""
-    if a.scale_inv_value is not None and b.scale_inv_value is not None:  # CPU fast path: no tensor op for alpha
-        alpha = host.f32(a.scale_inv_value * b.scale_inv_value)  # the float32 product (exact in float64, rounded)
-        scale = None
-    else:
-        scale = a.scale_inv * b.scale_inv  # float32, as the GPU's alpha
-        alpha = float(scale)
+def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dtype,
+             bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """The CPU GEMM: the FP8 values widened exactly, multiplied with float32 accumulation, scaled by
+    `alpha = float32(a.scale_inv * b.scale_inv)` (read on the host: CPU tensors only) and rounded once; one formula
+    on every CPU path (host floats or tensors, eager or compiled)."""
+    a_inv = a.scale_inv_value if a.scale_inv_value is not None else float(a.scale_inv.reshape(()))
+    b_inv = b.scale_inv_value if b.scale_inv_value is not None else float(b.scale_inv.reshape(()))
+    alpha = host.f32(a_inv * b_inv)  # the float32 product (exact in float64, rounded once)
     m, k = a.shape
     if out_dtype == torch.bfloat16 and alpha != float("inf") and m * k * b.shape[1] >= _BF16_GEMM_MIN_MACS:
         # FP8 values are exact in bf16; addmm applies alpha to the float32 accumulator and rounds once to bf16,
@@ -167,16 +169,23 @@ def _emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.d
         base = bias if bias is not None else _ZERO_BF16
         return torch.addmm(base, a.values(torch.bfloat16), b.values(torch.bfloat16),
                            beta=1 if bias is not None else 0, alpha=alpha)
-    if scale is None:  # alpha is a float: one addmm
-        base = bias.float() if bias is not None else _ZERO_F32
-        out = torch.addmm(base, a.values(torch.float32), b.values(torch.float32),
-                          beta=1 if bias is not None else 0, alpha=alpha)
-    else:
-        out = torch.mm(a.values(torch.float32), b.values(torch.float32))
-        out.mul_(scale)
-        if bias is not None:
-            out.add_(bias.float())
+    base = bias.float() if bias is not None else _ZERO_F32
+    out = torch.addmm(base, a.values(torch.float32), b.values(torch.float32), beta=1 if bias is not None else 0,
+                      alpha=alpha)
     return out.to(out_dtype)
+
+
+@torch.library.custom_op("fp8kit::emulated_mm", mutates_args=())
+def _emulated_mm(a_data: torch.Tensor, a_scale_inv: torch.Tensor, b_data: torch.Tensor, b_scale_inv: torch.Tensor,
+                 bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """`emulated` as a torch operation (what compiled graphs call on CPU)."""
+    return emulated(Float8TensorStorage(data=a_data, fp8_scale_inv=a_scale_inv),
+                    Float8TensorStorage(data=b_data, fp8_scale_inv=b_scale_inv), out_dtype, bias)
+
+
+@_emulated_mm.register_fake
+def _(a_data, a_scale_inv, b_data, b_scale_inv, bias, out_dtype):
+    return a_data.new_empty((a_data.shape[0], b_data.shape[1]), dtype=out_dtype)
 
 
 # Below this many multiply-adds a float32 GEMM beats a bf16 one on CPUs (its fixed cost is lower).

@@ -27,8 +27,9 @@ _ENABLED = True
 
 
 def active(device: torch.device) -> bool:
-    """True when bookkeeping for tensors on `device` runs on the host fast path (CPU tensors, path enabled)."""
-    return _ENABLED and device.type == "cpu"
+    """True when bookkeeping for tensors on `device` runs on the host fast path (CPU tensors, path enabled, not
+    inside torch.compile, which traces the tensor path)."""
+    return _ENABLED and device.type == "cpu" and not torch.compiler.is_compiling()
 
 
 @contextlib.contextmanager

@@ -42,7 +42,7 @@ class DelayedQuantizer:
         if self.stats is None and kernels.use_for(x):  # one fused pass: FP8 bytes (+ transpose), amax into the slot
             inv = torch.empty((), dtype=torch.float32, device=x.device)
             data, data_t, _ = kernels.cast_amax(x.detach(), self.state.scale[self.slot], self.fp8_dtype,
-                                                transpose=transpose, amax_out=self.state.amax_history[0, self.slot],
+                                                transpose=transpose, amax_out=self.state.staging(self.slot),
                                                 scale_inv_out=inv)
             return Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=x.dtype,
                                        data_transpose=data_t)
@@ -60,7 +60,7 @@ class DelayedQuantizer:
         if self.stats is None and kernels.use_for(dy):
             data, data_t, inv, dbias = kernels.cast_transpose_dbias(
                 dy.detach(), self.state.scale[self.slot], self.fp8_dtype,
-                amax_out=self.state.amax_history[0, self.slot])
+                amax_out=self.state.staging(self.slot))
             return Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=dy.dtype,
                                        data_transpose=data_t), dbias
         return self.quantize(dy, transpose=True), bias_grad(dy)

@@ -38,7 +38,10 @@ MAX_RETAINED_STEPS = 16
 
 
 def in_backward() -> bool:
-    """True while the autograd engine executes a backward on this thread (a forward now is a recompute)."""
+    """True while the autograd engine executes a backward on this thread (a forward now is a recompute). A compiled
+    graph is never a recompute of fp8kit's (torch.compile recomputes inside its own graphs)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 

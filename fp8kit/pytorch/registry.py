@@ -12,7 +12,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 from ..recipe import DelayedScaling, Recipe
 from .state import ScalingState, update_states
 
-__all__ = ["KeyStates", "StepNote", "entry", "key_entry", "register", "registry_states", "reduces", "reduce_group",
+__all__ = ["KeyStates", "StepNote", "all_keys", "entry", "key_entry", "register", "registry_states", "reduces", "reduce_group",
            "dist_initialized", "update_key"]
 
 
@@ -67,6 +67,11 @@ _REGISTRY: Dict[Tuple[Recipe, object], KeyStates] = {}
 def entry(key) -> Optional[KeyStates]:
     """The registry entry of `key`, or None."""
     return _REGISTRY.get(key)
+
+
+def all_keys() -> list:
+    """Every registry key, in creation order."""
+    return list(_REGISTRY)
 
 
 def key_entry(recipe: DelayedScaling, group) -> KeyStates:

@@ -29,26 +29,56 @@ class ScalingState:
         takes part when one of the state's slots was used (staging value != 0), or always with callables.
       update_count: `count` as a Python int (reading it synchronises with the device).
       key: the registry key the state is registered under (None until registered; a copy is unregistered).
+      compiled: a call compiled by torch.compile used the state, and eager code has an update to run for it
+        (fp8kit.pytorch.compiled).
     """
 
-    __slots__ = ("_history", "_scale", "_count", "_views", "key", "__weakref__")
+    __slots__ = ("_buffer", "_len", "_scale", "_count", "_views", "key", "compiled", "__weakref__")
 
-    def __init__(self, num_slots: int, length: int, device=None):
+    def __init__(self, num_slots: int, length: int, device=None, capacity: int = 0):
         with torch.inference_mode(False):  # state made under inference_mode must stay writable outside it
-            self.amax_history = torch.zeros(length, num_slots, dtype=torch.float32, device=device)
+            self._own(torch.zeros(max(length, capacity), num_slots, dtype=torch.float32, device=device), length)
             self.scale = torch.ones(num_slots, dtype=torch.float32, device=device)
             self.count = torch.zeros((), dtype=torch.int64, device=device)
         self.key = None
+        self.compiled = False
 
     # ---- tensors (assigning one drops the cached NumPy views) ----
 
+    def _own(self, buffer: torch.Tensor, length: int) -> None:
+        """Hold `buffer` `[capacity, n]`, of which the first `length` rows are the history."""
+        self._buffer, self._len = buffer, length
+        self._views = None
+
     @property
     def amax_history(self) -> torch.Tensor:
-        return self._history
+        """float32 `[L, n]`: the first L rows of a buffer allocated once (`capacity` rows). A view made at each
+        access: no tensor but the buffer is held, so a compiled graph never stores a view it made."""
+        buffer = self._buffer
+        return buffer if self._len == buffer.shape[0] else buffer[:self._len]
 
     @amax_history.setter
     def amax_history(self, value: torch.Tensor) -> None:
-        self._history, self._views = value, None
+        """Copy `value` `[L, n]` into the buffer when it fits (same slots, device and dtype, L <= capacity): the
+        tensors a compiled graph took as inputs stay the state's tensors. Otherwise the state takes `value`."""
+        buffer, length = self._buffer, value.shape[0] if value.dim() == 2 else -1
+        if 0 < length <= buffer.shape[0] and value.shape[1:] == buffer.shape[1:] and value.device == buffer.device \
+                and value.dtype == buffer.dtype:
+            target = buffer if length == buffer.shape[0] else buffer[:length]
+            if value is not target:
+                if not torch.compiler.is_compiling() and \
+                        value.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr():
+                    value = value.clone()  # a view of the buffer itself
+                with torch.no_grad():
+                    target.copy_(value)
+            self._own(buffer, length)
+        else:
+            self._own(value, value.shape[0])
+
+    @property
+    def capacity(self) -> int:
+        """Rows the history can grow to without a new tensor."""
+        return self._buffer.shape[0]
 
     @property
     def scale(self) -> torch.Tensor:
@@ -80,23 +110,26 @@ class ScalingState:
         fast path), made once per tensor."""
         views = self._views
         if views is None:
-            views = self._views = (self._history.numpy(), self._scale.numpy(), self._count.numpy())
+            views = self._views = (self.amax_history.numpy(), self._scale.numpy(), self._count.numpy())
         return views
 
     # ---- copies: an independent, unregistered state with the same numbers ----
 
     def __getstate__(self):
-        return {"amax_history": self._history, "scale": self._scale, "count": self._count}
+        return {"amax_history": self.amax_history, "scale": self._scale, "count": self._count}
 
     def __setstate__(self, state) -> None:
-        self.amax_history, self.scale = state["amax_history"], state["scale"]
-        self.count = state.get("count", torch.zeros((), dtype=torch.int64, device=self._history.device))
+        self._own(state["amax_history"], state["amax_history"].shape[0])
+        self.scale = state["scale"]
+        self.count = state.get("count", torch.zeros((), dtype=torch.int64, device=self._buffer.device))
         self.key = None  # registers again at its first FP8 forward
+        self.compiled = False
 
     def __deepcopy__(self, memo):
         copy = ScalingState.__new__(ScalingState)
-        copy.__setstate__({"amax_history": self._history.clone(), "scale": self._scale.clone(),
+        copy.__setstate__({"amax_history": self._buffer.clone(), "scale": self._scale.clone(),
                            "count": self._count.clone()})
+        copy._own(copy._buffer, self.history_len)
         memo[id(self)] = copy
         return copy
 
@@ -113,10 +146,18 @@ class ScalingState:
 
     @property
     def history_len(self) -> int:
-        return self.amax_history.shape[0]
+        return self._len
 
     def to_(self, device: torch.device) -> None:
-        self.amax_history = self.amax_history.to(device)
+        """Move the tensors to `device` (a state on the meta device starts fresh there: zeros, scale 1)."""
+        length = self.history_len
+        if self._buffer.is_meta:
+            with torch.inference_mode(False):
+                self._own(torch.zeros(self._buffer.shape, dtype=torch.float32, device=device), length)
+                self.scale = torch.ones(self._scale.shape, dtype=torch.float32, device=device)
+                self.count = torch.zeros((), dtype=torch.int64, device=device)
+            return
+        self._own(self._buffer.to(device), length)
         self.scale = self.scale.to(device)
         self.count = self.count.to(device)
 
@@ -128,8 +169,13 @@ class ScalingState:
             if amax == amax and not amax <= row[slot]:  # also replaces a NaN staging value
                 row[slot] = amax
             return
-        stage = self.amax_history[0, slot]
+        stage = self.staging(slot)
         stage.copy_(torch.fmax(stage, amax))
+
+    def staging(self, slot) -> torch.Tensor:
+        """The staging value of `slot` (an int: 0-d; a slice: 1-d) as a view of the allocated buffer, which stays the
+        same tensor when the history is resized (a compiled backward may write into it)."""
+        return self._buffer[0, slot]
 
     def resize_(self, length: int) -> None:
         """Change the history length, keeping the staging row and the newest past amaxes (zeros pad the oldest)."""
@@ -235,11 +281,14 @@ _COLUMN_OWNERS: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
 
 def _column_owners(sizes: Tuple[int, ...], device: torch.device) -> torch.Tensor:
     """int64 `[sum(sizes)]`: the index of the state each concatenated column belongs to (cached per layout)."""
+    if torch.compiler.is_compiling():  # a constant of the graph
+        return torch.tensor([i for i, n in enumerate(sizes) for _ in range(n)], dtype=torch.int64, device=device)
     key = (str(device), sizes)
     owners = _COLUMN_OWNERS.get(key)
     if owners is None:
         with torch.inference_mode(False):
-            owners = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes)).to(device)
+            owners = torch.tensor([i for i, n in enumerate(sizes) for _ in range(n)], dtype=torch.int64,
+                                  device=device)
         if len(_COLUMN_OWNERS) > 256:
             _COLUMN_OWNERS.clear()
         _COLUMN_OWNERS[key] = owners

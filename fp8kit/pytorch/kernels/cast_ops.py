@@ -80,7 +80,7 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, tran
 
     Takes `x` (float32/bfloat16/float16, contiguous, any shape; seen as [M, N] = [prod(shape[:-1]), shape[-1]]),
     `scale` (float32, one element, on x's device; read in the kernel, no host sync), the FP8 dtype, `transpose`,
-    `amax_out` (optional float32 one-element tensor, e.g. the staging slot `state.amax_history[0, slot]`: the
+    `amax_out` (optional float32 one-element tensor, e.g. the staging slot `state.staging(slot)`: the
     tensor's amax is max-accumulated into it, see the module docstring) and `scale_inv_out` (optional float32
     one-element tensor that gets `float32(1 / scale)`).
     Returns `(data, data_t, amax)`: FP8 `data` with x's shape, `data_t` [N, M] contiguous or None, and the amax

@@ -14,6 +14,7 @@ from ...recipe import FLT_MAX, SCALE_MIN, DelayedScaling
 from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
 from ..cast import fp8_dtype_of
+from ..compiled import compiling, note_compiled_call
 from ..distributed import label_states
 from ..quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
@@ -21,6 +22,7 @@ from ..state import ScalingState, resized_history
 from ..te_checkpoint import with_te_extra_state
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
+STATE_CAPACITY = DelayedScaling.amax_history_len  # history rows allocated up front (the default recipe's length)
 _FIELDS = ("amax_history", "scale", "update_count")
 
 
@@ -98,9 +100,38 @@ class FP8StateMixin:
     """
 
     def _init_fp8_meta(self, num_gemms: int = 1) -> None:
+        """Call after the parameters exist. The delayed-scaling states are allocated now, on the parameters' device,
+        with room for `STATE_CAPACITY` history rows (they move with the module), and enter `fp8_meta` at the first
+        FP8 forward: a graph compiled by torch.compile then takes them as inputs from its first trace on."""
         self.num_gemms = num_gemms
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None}
         self._fp8_records = RecordQueue()
+        param = next(self.parameters(), None)
+        device = param.device if param is not None else torch.get_default_device()
+        self._fp8_spare = {name: ScalingState(per_gemm * num_gemms, STATE_CAPACITY, device)
+                           for name, per_gemm in _PASSES}
+
+    def _new_state(self, name: str, length: int, device) -> ScalingState:
+        """The module's allocated state for pass `name`, sized and placed as asked (a new one if it was taken)."""
+        state = getattr(self, "_fp8_spare", {}).pop(name, None)
+        if state is None:
+            return ScalingState(dict(_PASSES)[name] * self.num_gemms, length, device, capacity=STATE_CAPACITY)
+        if state.scale.device != device:
+            state.to_(device)
+        if state.history_len != length:
+            state.resize_(length)
+        return state
+
+    def _apply(self, fn, recurse=True):
+        """Move the FP8 states with the parameters (`.to()`, `.cuda()`, `to_empty()`); they stay float32."""
+        out = super()._apply(fn, recurse)
+        param = next(self.parameters(recurse=False), None)
+        meta = getattr(self, "fp8_meta", None)
+        if param is not None and meta is not None:
+            for state in (meta["scaling_fwd"], meta["scaling_bwd"], *getattr(self, "_fp8_spare", {}).values()):
+                if state is not None and state.scale.device != param.device:
+                    state.to_(param.device)
+        return out
 
     def create_fp8_states(self, length: int, device) -> None:
         """Create the delayed-scaling states now (not registered until the first FP8 forward), e.g. for FP8 weights
@@ -108,7 +139,7 @@ class FP8StateMixin:
         meta = self.fp8_meta
         for name, per_gemm in _PASSES:
             if meta[name] is None:
-                meta[name] = ScalingState(per_gemm * self.num_gemms, length, device)
+                meta[name] = self._new_state(name, length, device)
 
     def current_scaling_groups(self, gemm: int = 0) -> Tuple[object, object, object]:
         """The amax-reduction groups of the (input, weight, grad_output) casts of GEMM `gemm` under current scaling;
@@ -123,6 +154,8 @@ class FP8StateMixin:
             return self._replay_call(frame, device)
         if frame is None or not (frame.enabled or frame.records_amax):
             return None
+        if compiling() or frame.graph:
+            return self._compiled_call(frame, tensors, device)
         grad = torch.is_grad_enabled()
         needs_backward = any(t is not None and t.requires_grad for t in tensors)
         # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
@@ -137,6 +170,24 @@ class FP8StateMixin:
             retain_step(frame.step)
             self._fp8_records.add(record)
         return FP8Call(self, frame, record, False, counted, states)
+
+    def _compiled_call(self, frame: Frame, tensors, device: torch.device) -> FP8Call:
+        """A call traced by torch.compile (fp8kit.pytorch.compiled) or captured into a graph (fp8kit.pytorch.graph):
+        no recompute record and no backward counting."""
+        counted = frame.records_amax and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in tensors)
+        states = None
+        if isinstance(frame.recipe, DelayedScaling):
+            states = self.fp8_states(frame, device)
+            if frame.records_amax and not frame.graph:
+                note_compiled_call(frame, states, counted)
+        if frame.graph and not compiling():
+            frame.step.graph_calls.append((self, counted))
+        if getattr(self, "fp8_stats", None) is not None:
+            raise NotImplementedError(
+                f"fp8kit: {type(self).__name__} has numerics statistics on (enable_stats), which count casts in "
+                "Python and cannot run inside torch.compile or a captured graph; call disable_stats(model) first")
+        return FP8Call(self, frame, None, False, False, states)
 
     def _replay_call(self, frame: Optional[Frame], device: torch.device) -> Optional[FP8Call]:
         record = self._fp8_records.take()
@@ -169,8 +220,14 @@ class FP8StateMixin:
         for name, per_gemm in _PASSES:
             state = meta[name]
             if state is None:
-                meta[name] = ScalingState(per_gemm * self.num_gemms, length, device)
+                meta[name] = self._new_state(name, length, device)
                 continue
+            if compiling() and (state.scale.device != device or state.capacity < length):
+                raise RuntimeError(
+                    f"fp8kit: inside torch.compile, the FP8 state of {type(self).__name__} is on "
+                    f"{state.scale.device} with room for {state.capacity} history rows, but this call needs "
+                    f"{device} and {length} rows: a graph cannot replace the state's tensors. Move the module with "
+                    ".to() before compiling, or run one step eagerly first")
             if state.history_len != length:
                 state.resize_(length)
             if state.scale.device != device:

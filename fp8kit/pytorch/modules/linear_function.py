@@ -140,9 +140,11 @@ class _LinearFunction(torch.autograd.Function):
         if gather and not (fprop and keep_x_fp8):
             x = gather_along_first_dim(x, tp.group)
         if fprop or dgrad:
-            if plan.weight_fp8 is None:
-                plan.weight_fp8 = plan.weight_q.quantize(weight, transpose=dgrad)
             w_fp8 = plan.weight_fp8
+            if w_fp8 is None:
+                w_fp8 = plan.weight_q.quantize(weight, transpose=dgrad)
+                if not torch.compiler.is_compiling():  # kept for is_first_microbatch (a compiled graph cannot)
+                    plan.weight_fp8 = w_fp8
         fused_bias = None if row else bias  # row parallel: the bias is added once, after the reduction
         if fprop:
             y = gemm(x_fp8, w_fp8.transposed(), x.dtype, fused_bias, use_fast_accum=plan.fast_accum[0])
@@ -221,7 +223,7 @@ class _LinearFunction(torch.autograd.Function):
                 db = dy_local.sum(0)
             if gather:
                 db = all_reduce_sum(db, tp.group)
-        if plan.track_backward:
+        if plan.track_backward and not torch.compiler.is_compiling():
             plan.step.backward_done()
         return dx, dw, db, None
 

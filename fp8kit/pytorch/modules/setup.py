@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ...recipe import DelayedScaling
+from ..compiled import compiling
 from ..distributed import TensorParallel, tensor_parallel
 from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.storage import Float8TensorStorage
@@ -140,6 +141,11 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
     `wgrad_store`, `save_original_input`, `fp8_stats` and a `fp8_weight_cache` dict (gemm -> Float8Tensor)."""
     frame = call.frame
     recipe = frame.recipe
+    if is_first_microbatch is not None and (frame.graph or compiling()):
+        raise NotImplementedError(
+            f"{type(module).__name__}(is_first_microbatch={is_first_microbatch}): caching the FP8 weight across "
+            "microbatches keeps Python state between calls, which torch.compile and captured graphs cannot; pass "
+            "is_first_microbatch=None inside them")
     input_q, weight_q, grad_q = call.quantizers(gemm)
     if module.fp8_stats is not None and not call.replay:
         module.fp8_stats.attach(input_q, weight_q, grad_q, gemm)
