@@ -32,8 +32,8 @@ def _amax_vmap(axis_size: int, in_batched, x: jax.Array, ref: jax.Array):
     x_batched, ref_batched = in_batched
     if ref_batched:  # one state per member: one amax per member
         if x_batched:
-            return jax.vmap(_amax)(x, ref), True
-        return jnp.broadcast_to(_amax(x, ref[0]), (axis_size,)), True
+            return jax.vmap(amax)(x), True
+        return jnp.broadcast_to(amax(x), (axis_size,)), True
     return _amax(x, ref), False  # a shared state: the max over every member (x's mapped axis included)
 
 

@@ -149,8 +149,10 @@ fp8_gemm.__doc__ = """`fp8_gemm(cfg, x[M, K], kernel[K, N], bias[N] | None, scal
 
 
 def _zero_token(group) -> jax.Array:
-    # zeros shaped like the three scales, so that inside shard_map the token varies over the axes the state does
-    return jnp.zeros_like(jnp.concatenate([group[f"{t}_scale"] for t in TENSORS]))
+    # zeros computed FROM the three scales (their bits and 0), so that the token is mapped (vmap) and varies (shard_map)
+    # over the same axes as the state; a constant would be unmapped and JAX would sum the members' cotangents
+    scales = jnp.concatenate([group[f"{t}_scale"] for t in TENSORS]).astype(F32)
+    return lax.bitcast_convert_type(lax.bitcast_convert_type(scales, jnp.uint32) & jnp.uint32(0), F32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
