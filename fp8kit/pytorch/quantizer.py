@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import host, kernels
@@ -45,6 +47,24 @@ class DelayedQuantizer:
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record the amax without casting."""
         self.state.record(self.slot, host.amax(x) if host.active(x.device) else amax(x))
+
+
+class FixedScaleQuantizer:
+    """Casts with a given scale and records nothing: a recompute repeating a delayed-scaling cast
+    (fp8kit.pytorch.recompute). `scale` is a float32 value as a Python float, or a 0-d float32 tensor."""
+
+    __slots__ = ("scale", "fp8_dtype", "stats")
+
+    def __init__(self, scale, fp8_dtype: torch.dtype):
+        self.scale, self.fp8_dtype, self.stats = scale, fp8_dtype, None
+
+    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+        if isinstance(self.scale, float):
+            return cast_host(x, self.scale, self.fp8_dtype, math.inf)  # amax unknown: always clamp
+        return cast(x, self.scale, self.fp8_dtype)
+
+    def observe(self, x: torch.Tensor) -> None:
+        pass
 
 
 class CurrentQuantizer:

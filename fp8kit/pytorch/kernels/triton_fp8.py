@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)
-SCALE_MIN = tl.constexpr(2.0 ** -126)  # fp8kit.recipe.SCALE_MIN
+SCALE_MIN = tl.constexpr(2.0 ** -63)  # fp8kit.recipe.SCALE_MIN
 
 
 @triton.jit

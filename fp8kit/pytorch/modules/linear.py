@@ -27,8 +27,6 @@ import torch
 import torch.nn.functional as F
 
 from ...recipe import DelayedScaling
-from ..autocast import current_frame
-from ..cast import fp8_dtype_of
 from ..distributed import (
     all_gather_fp8,
     all_reduce_sum,
@@ -38,7 +36,6 @@ from ..distributed import (
     tensor_parallel,
 )
 from ..gemm import check_cuda_shape, gemm
-from ..quantizer import CurrentQuantizer, DelayedQuantizer
 from ..tensor import Float8Tensor
 from .base import FP8StateMixin
 
@@ -103,6 +100,11 @@ class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         plan = ctx.plan
+        if torch.is_grad_enabled() and any(plan.fp8[1:]):
+            raise RuntimeError(
+                "fp8kit: a backward with create_graph=True (double backward, e.g. a gradient penalty) reached an FP8 "
+                "Linear: FP8 GEMMs have no second-order gradients. Run the part of the model you differentiate "
+                "twice outside fp8kit.pytorch.autocast (or with override_linear_precision=(False, True, True)).")
         tp = plan.tp
         gather = tp is not None and tp.gathers_grad_output
         _, dgrad, wgrad = plan.fp8
@@ -195,40 +197,40 @@ class Linear(FP8StateMixin, torch.nn.Linear):
     def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """`inp` `[..., in_features]`. `is_first_microbatch`: None casts the weight at every call; True casts it
         and caches the FP8 weight; False reuses that cache (gradient accumulation over microbatches)."""
-        frame = current_frame()
         tp = self.tensor_parallel
-        if frame is None or not (frame.enabled or frame.records_amax):
+        call = self.begin_fp8_call((inp, self.weight, self.bias), self.weight.device)
+        if call is None:
             if tp is None:
                 return F.linear(inp, self.weight, self.bias)
             return self._forward_high_precision(inp)
+        frame = call.frame
         autocast_on = torch.is_autocast_enabled(inp.device.type)
         inp, weight, bias = self._operands(inp, autocast_on)
         leading = inp.shape[:-1]
-        x = inp.reshape(-1, self._local_in_features)
-        recipe = frame.recipe
-        fp8 = tuple(frame.enabled and not o for o in recipe.override_linear_precision)
+        x = inp.reshape(math.prod(leading), self._local_in_features)
+        fp8 = call.fp8
         if x.is_cuda and any(fp8):
             rows = x.shape[0] * (tp.size if tp is not None and tp.gathers_input else 1)
             check_cuda_shape(rows, weight.shape[1], weight.shape[0])
-        if tp is not None and isinstance(recipe, DelayedScaling) and (
+        if tp is not None and isinstance(frame.recipe, DelayedScaling) and (
                 (tp.gathers_input and (fp8[0] or fp8[2])) or (tp.gathers_grad_output and (fp8[1] or fp8[2]))):
             check_shared_scales(frame, tp)
-        input_q, weight_q, grad_q = self._quantizers(frame, weight.device)
-        if self.fp8_stats is not None:
+        input_q, weight_q, grad_q = call.quantizers(0)
+        if self.fp8_stats is not None and not call.replay:
             self.fp8_stats.attach(input_q, weight_q, grad_q)
-        cached = self._cached_weight(is_first_microbatch, frame.enabled, weight_q.fp8_dtype)
-        needs_backward = torch.is_grad_enabled() and (
-            inp.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-        track = frame.records_amax and needs_backward
-        if frame.records_amax:
-            frame.step.forward_called(frame.key, needs_backward)
-        plan = _Plan(input_q, weight_q, grad_q, fp8, not frame.enabled, cached, frame.step, track, tp)
+        if call.replay:
+            cached = call.cached_weight(0)
+        else:
+            cached = self._cached_weight(is_first_microbatch, frame.enabled, weight_q.fp8_dtype)
+            if cached is not None:
+                call.reused_weight(0, cached)
+        plan = _Plan(input_q, weight_q, grad_q, fp8, call.calibrate, cached, call.step, call.track_backward, tp)
         if autocast_on:  # the operands are cast already; the GEMMs pick their dtypes
             with torch.autocast(x.device.type, enabled=False):
                 y = _LinearFunction.apply(x, weight, bias, plan)
         else:
             y = _LinearFunction.apply(x, weight, bias, plan)
-        if is_first_microbatch is not None and frame.enabled:
+        if is_first_microbatch is not None and frame.enabled and not call.replay:
             self._weight_fp8 = plan.weight_fp8
         if tp is not None:
             return y.reshape(*self._output_leading(leading), y.shape[-1])
@@ -245,7 +247,7 @@ class Linear(FP8StateMixin, torch.nn.Linear):
         leading = inp.shape[:-1]
         plan = _Plan(None, None, None, (False, False, False), False, None, None, False, self.tensor_parallel)
         with torch.autocast(inp.device.type, enabled=False):
-            y = _LinearFunction.apply(inp.reshape(-1, self._local_in_features), weight, bias, plan)
+            y = _LinearFunction.apply(inp.reshape(math.prod(leading), self._local_in_features), weight, bias, plan)
         return y.reshape(*self._output_leading(leading), y.shape[-1])
 
     def _output_leading(self, leading) -> tuple:
@@ -296,25 +298,14 @@ class Linear(FP8StateMixin, torch.nn.Linear):
             raise ValueError(f"Linear: input is on {inp.device} but the weight is on {weight.device}")
         return inp, weight, bias
 
-    def _quantizers(self, frame, device):
-        recipe = frame.recipe
-        fmt = recipe.fp8_format.value
-        fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
-        if isinstance(recipe, DelayedScaling):
-            fwd, bwd = self.fp8_states(frame, device)
-            return DelayedQuantizer(fwd, 0, fwd_dtype), DelayedQuantizer(fwd, 1, fwd_dtype), \
-                DelayedQuantizer(bwd, 0, bwd_dtype)
-        eps, pow2 = recipe.amax_epsilon, recipe.use_power_2_scales
+    def current_scaling_groups(self):
+        """Every tensor split over the tensor-parallel group (gathered ones included) is cast with the amax of the
+        whole tensor, so the FP8 bytes equal a single-process run's; replicated tensors need no reduction."""
         tp = self.tensor_parallel
         if tp is None:
-            return CurrentQuantizer(fwd_dtype, eps, pow2), CurrentQuantizer(fwd_dtype, eps, pow2), \
-                CurrentQuantizer(bwd_dtype, eps, pow2)
-        # Every tensor split over the tensor-parallel group (gathered ones included) is cast with the amax of the
-        # whole tensor, so the FP8 bytes equal a single-process run's; replicated tensors need no reduction.
+            return None, None, None
         column, sp, group = tp.mode == "column", tp.sequence_parallel, tp.group
-        return CurrentQuantizer(fwd_dtype, eps, pow2, group if (sp or not column) else None), \
-            CurrentQuantizer(fwd_dtype, eps, pow2, group), \
-            CurrentQuantizer(bwd_dtype, eps, pow2, group if (sp or column) else None)
+        return group if (sp or not column) else None, group, group if (sp or column) else None
 
     def _cached_weight(self, is_first_microbatch, enabled: bool, fp8_dtype) -> Optional[Float8Tensor]:
         cache = self._weight_fp8
