@@ -23,7 +23,8 @@ def _bits(tree):
 
 def _assert_same_state(got, want, what):
     for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(_bits(got)), jax.tree.leaves(_bits(want))):
-        assert np.array_equal(g, w), f"{what} {jax.tree_util.keystr(path)}: {g.view(np.float32)} vs {w.view(np.float32)}"
+        name = jax.tree_util.keystr(path)
+        assert np.array_equal(g, w), f"{what} {name}: {g.view(np.float32)} vs {w.view(np.float32)}"
 
 
 def _batches(steps):

@@ -1,7 +1,12 @@
 """fp8kit's JAX frontend: `import fp8kit.jax as te` where a Transformer Engine user imports
 `transformer_engine.jax`. Flax layers are in `fp8kit.jax.flax` (also `te.flax`). See docs/jax.md."""
 
-from . import activation, layernorm, sharding
+from . import (
+    activation,
+    flax,  # noqa: E402  (last: the layers import the modules above)
+    layernorm,
+    sharding,
+)
 from .cast import Float8Array, dequantize, quantize
 from .context import autocast, deferred_update, fp8_autocast, get_recipe, is_fp8_enabled
 from .dense import dense
@@ -18,7 +23,6 @@ from .training import (
     update_fp8_metas,
     upgrade_fp8_metas,
 )
-from . import flax  # noqa: E402  (last: the layers import the modules above)
 
 __all__ = [
     "FP8_COLLECTION",

@@ -75,7 +75,8 @@ def activation(
     act_params: Optional[Any] = None,
 ) -> jax.Array:
     """Apply `activation_type` to `x[..., len(activation_type), hidden]` and multiply the slices; returns
-    `[..., hidden]` in x's dtype (computed in float32). `quantizer` must be None (fp8kit quantizes inside the dense GEMMs)."""
+    `[..., hidden]` in x's dtype (computed in float32). `quantizer` must be None (fp8kit quantizes inside the dense
+    GEMMs)."""
     if quantizer is not None:
         raise NotImplementedError("activation: quantizer is not supported; fp8kit quantizes inside the dense GEMMs")
     if isinstance(activation_type, str):

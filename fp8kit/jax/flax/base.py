@@ -115,8 +115,8 @@ def fp8_state(module: nn.Module, postfix: str = "", collection: str = FP8_COLLEC
         if not module.is_initializing() and not module.has_variable(collection, name):
             old = name.startswith("grad_update_count") and module.has_variable(collection, "update_count" + postfix)
             fix = ("it was saved by an older fp8kit: convert the collection with fp8kit.jax.upgrade_fp8_metas" if old
-                   else f"initialize the layer (layer.init) inside te.autocast(enabled=True, "
-                        f"recipe=DelayedScaling(...)) and pass all variables to apply")
+                   else "initialize the layer (layer.init) inside te.autocast(enabled=True, "
+                        "recipe=DelayedScaling(...)) and pass all variables to apply")
             raise ValueError(f"{type(module).__name__} {module.name or ''}: no {collection}/{name}: {fix}")
         value = module.variable(collection, name, lambda k=key: fresh[k]).value
         shape = (recipe.amax_history_len,) if key.endswith("_amax_history") else (1,)

@@ -10,8 +10,18 @@ import jax.numpy as jnp
 
 from .. import context
 from ..dense import dense
-from .base import (Initializer, compute_dtype, flat_bias_init, flat_kernel_init, fp8_state, low_rank_adaptation,
-                   normalize_axes, record_forward, tuple_of, with_axes)
+from .base import (
+    Initializer,
+    compute_dtype,
+    flat_bias_init,
+    flat_kernel_init,
+    fp8_state,
+    low_rank_adaptation,
+    normalize_axes,
+    record_forward,
+    tuple_of,
+    with_axes,
+)
 
 __all__ = ["DenseGeneral"]
 

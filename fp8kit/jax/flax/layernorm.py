@@ -12,8 +12,19 @@ from .. import context
 from ..dense import dense
 from ..layernorm import canonicalize_norm_type, layernorm
 from ..sharding import with_sharding_constraint_by_logical_axes
-from .base import (Initializer, compute_dtype, flat_bias_init, flat_kernel_init, fp8_state, layernorm_params,
-                   low_rank_adaptation, normalize_axes, record_forward, tuple_of, with_axes)
+from .base import (
+    Initializer,
+    compute_dtype,
+    flat_bias_init,
+    flat_kernel_init,
+    fp8_state,
+    layernorm_params,
+    low_rank_adaptation,
+    normalize_axes,
+    record_forward,
+    tuple_of,
+    with_axes,
+)
 from .dense import check_checkpoint_name
 
 __all__ = ["LayerNorm", "LayerNormDenseGeneral", "apply_layernorm"]

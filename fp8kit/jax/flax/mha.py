@@ -10,8 +10,19 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..sharding import (BATCH_AXES, HEAD_AXES, HIDDEN_AXES, HIDDEN_TP_AXES, SEQLEN_AXES, SEQLEN_TP_AXES, W_FSDP_AXES,
-                        W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES, with_sharding_constraint_by_logical_axes)
+from ..sharding import (
+    BATCH_AXES,
+    HEAD_AXES,
+    HIDDEN_AXES,
+    HIDDEN_TP_AXES,
+    SEQLEN_AXES,
+    SEQLEN_TP_AXES,
+    W_FSDP_AXES,
+    W_JOINED_AXES,
+    W_NO_SHARD_AXES,
+    W_TP_AXES,
+    with_sharding_constraint_by_logical_axes,
+)
 from .attention import DotProductAttention
 from .base import Initializer
 from .dense import DenseGeneral
@@ -73,8 +84,9 @@ class MultiHeadAttention(nn.Module):
     `fuse_qkv_params` "query", "key" and "value"; then "out" (DenseGeneral, `[heads*head_dim, hidden]`). The query
     kernel is initialized divided by sqrt(head_dim) (`scaled_query_init`) and the logits are not scaled unless
     `scale_attn_logits`. Returns `(output, ln_output)`, the output in the input's dtype. dtype: computation dtype
-    (None: the input's); param_dtype: the parameters'. The autoregressive cache (`decode=True`) and cuDNN score_mod are not implemented.
-    Deprecated aliases `num_heads`, `dropout_rate`, `fuse_qkv` are honoured; `output_layernorm` must stay None.
+    (None: the input's); param_dtype: the parameters'. Not implemented: the autoregressive cache (`decode=True`)
+    and cuDNN score_mod. Deprecated aliases `num_heads`, `dropout_rate`, `fuse_qkv` are honoured;
+    `output_layernorm` must stay None.
     """
 
     head_dim: int

@@ -13,8 +13,17 @@ from .. import context
 from ..activation import activation
 from ..dense import dense
 from ..sharding import with_sharding_constraint_by_logical_axes
-from .base import (Initializer, compute_dtype, default_kernel_init, fp8_state, low_rank_adaptation,
-                   normalize_axes, record_forward, tuple_of, with_axes)
+from .base import (
+    Initializer,
+    compute_dtype,
+    default_kernel_init,
+    fp8_state,
+    low_rank_adaptation,
+    normalize_axes,
+    record_forward,
+    tuple_of,
+    with_axes,
+)
 from .dense import check_checkpoint_name
 from .layernorm import apply_layernorm
 

@@ -11,9 +11,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..sharding import (BATCH_AXES, HIDDEN_AXES, HIDDEN_TP_AXES, SEQLEN_AXES, SEQLEN_TP_AXES, W_FSDP_AXES,
-                        W_JOINED_AXES, W_NO_SHARD_AXES, W_TP_AXES, get_sharding_map_logic_axis_to_mesh_axis,
-                        with_sharding_constraint_by_logical_axes)
+from ..sharding import (
+    BATCH_AXES,
+    HIDDEN_AXES,
+    HIDDEN_TP_AXES,
+    SEQLEN_AXES,
+    SEQLEN_TP_AXES,
+    W_FSDP_AXES,
+    W_JOINED_AXES,
+    W_NO_SHARD_AXES,
+    W_TP_AXES,
+    get_sharding_map_logic_axis_to_mesh_axis,
+    with_sharding_constraint_by_logical_axes,
+)
 from .base import Initializer
 from .layernorm import LayerNorm
 from .mha import MultiHeadAttention, lora_scope
