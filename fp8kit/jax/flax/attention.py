@@ -87,7 +87,7 @@ class _UnfusedDotProductAttention(nn.Module):
         skv, hkv = key.shape[1], key.shape[2]
         dtype = query.dtype
         group = h // hkv
-        if self.default_scale:  # 1/sqrt(head_dim): divide the query, as flax's dot_product_attention does
+        if self.default_scale:
             query = query / jnp.sqrt(d).astype(dtype)
         q = query.reshape(b, sq, hkv, group, d)
         logits = jnp.einsum("bqhgd,bkhd->bhgqk", q, key, preferred_element_type=jnp.float32).reshape(b, h, sq, skv)
@@ -218,8 +218,9 @@ class DotProductAttention(nn.Module):
         dropout_rng = None
         if not deterministic and self.attention_dropout > 0.0:
             dropout_rng = self.make_rng(self.dropout_rng_name)
-        default_scale = self.scale_factor is None
-        scale = 1.0 / math.sqrt(query.shape[-1]) if default_scale else float(self.scale_factor)
+        # 1/sqrt(head_dim) divides the query, as flax's dot_product_attention does (except with a pre-scale bias)
+        default_scale = self.scale_factor is None and bias_type.lower() != "pre_scale_bias"
+        scale = 1.0 / math.sqrt(query.shape[-1]) if self.scale_factor is None else float(self.scale_factor)
         softmax_type = self.softmax_type.lower().replace("_", "-")
         out = _UnfusedDotProductAttention(self.attention_dropout, self.attn_mask_type, bias_type.lower(), scale,
                                           self.window_size, softmax_type, default_scale)(

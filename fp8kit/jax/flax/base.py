@@ -3,6 +3,7 @@ update under a mutable collection), LayerNorm parameters, low-rank adaptation.""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
@@ -17,11 +18,13 @@ from .. import context
 from ..batching import state_amax
 from ..cast import max_nonneg
 from ..dense import amax_axes
+from ..sharding import current_mesh_resource
 from ..state import FORWARD_TENSORS, FP8_COLLECTION, group_names, init_group, stage_group, update_forward
 
 __all__ = [
     "Initializer", "tuple_of", "normalize_axes", "with_axes", "flat_kernel_init", "flat_bias_init",
     "default_kernel_init", "compute_dtype", "fp8_state", "record_forward", "layernorm_params", "low_rank_adaptation",
+    "uses_fp8", "gemm_scope",
 ]
 
 Initializer = Callable[..., Any]
@@ -83,18 +86,32 @@ def compute_dtype(dtype: Any, x: jax.Array) -> Any:
     return jnp.dtype(x.dtype if dtype is None else dtype)
 
 
+def uses_fp8(module: nn.Module) -> bool:
+    """True when the module's GEMMs run in FP8: inside an enabled autocast, except while initializing (`init`
+    only needs shapes; it creates the FP8 state but computes its outputs in high precision)."""
+    return context.is_fp8_enabled() and not module.is_initializing()
+
+
+def gemm_scope(module: nn.Module):
+    """The context for the module's `dense` calls: FP8 off while initializing, else as it is."""
+    if module.is_initializing() and context.is_fp8_enabled():
+        return context.autocast(enabled=False, mesh_resource=current_mesh_resource())
+    return contextlib.nullcontext()
+
+
 # ---- FP8 state of one GEMM --------------------------------------------------------------------------------------
 
-# per apply (flax Scope) and GEMM: the state as it was when the step started, and the forward amaxes seen so far
+# per apply (the root flax Scope, alive for the whole apply) and GEMM (scope path, collection, postfix): the state
+# as it was when the step started, and the forward amaxes seen so far
 _FORWARD_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _memo(module: nn.Module) -> Dict:
-    scope = module.scope
     try:
-        return _FORWARD_MEMO.setdefault(scope, {})
+        table = _FORWARD_MEMO.setdefault(module.scope.root, {})
     except TypeError:  # pragma: no cover - a scope that cannot be weakly referenced: no sharing between uses
         return {}
+    return table.setdefault(tuple(module.scope.path), {})
 
 
 def fp8_state(module: nn.Module, postfix: str = "", collection: str = FP8_COLLECTION,

@@ -8,7 +8,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .. import context
 from ..dense import dense
 from .base import (
     Initializer,
@@ -16,10 +15,12 @@ from .base import (
     flat_bias_init,
     flat_kernel_init,
     fp8_state,
+    gemm_scope,
     low_rank_adaptation,
     normalize_axes,
     record_forward,
     tuple_of,
+    uses_fp8,
     with_axes,
 )
 
@@ -85,14 +86,15 @@ class DenseGeneral(nn.Module):
         dtype = compute_dtype(self.dtype, inputs)
         x = inputs.astype(dtype)
         group = fp8_state(self)
-        if context.is_fp8_enabled():
+        if uses_fp8(self):
             record_forward(self, group, x, kernel)
         else:
             kernel = kernel.astype(dtype)
             bias = None if bias is None else bias.astype(dtype)
-        y = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))), input_axes=self.input_axes,
-                  kernel_axes=self.kernel_axes or None, quantizer_set=group, precision=self.precision,
-                  transpose_batch_sequence=self.transpose_batch_sequence)
+        with gemm_scope(self):
+            y = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))), input_axes=self.input_axes,
+                      kernel_axes=self.kernel_axes or None, quantizer_set=group, precision=self.precision,
+                      transpose_batch_sequence=self.transpose_batch_sequence)
         if self.enable_low_rank_adaptation:
             moved = jnp.moveaxis(x, axis, tuple(range(x.ndim - len(axis), x.ndim)))
             y = y + low_rank_adaptation(self, moved, in_shape, features, self.low_rank_adaptation_dim,

@@ -8,7 +8,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from .. import context
 from ..dense import dense
 from ..layernorm import canonicalize_norm_type, layernorm
 from ..sharding import with_sharding_constraint_by_logical_axes
@@ -18,11 +17,13 @@ from .base import (
     flat_bias_init,
     flat_kernel_init,
     fp8_state,
+    gemm_scope,
     layernorm_params,
     low_rank_adaptation,
     normalize_axes,
     record_forward,
     tuple_of,
+    uses_fp8,
     with_axes,
 )
 from .dense import check_checkpoint_name
@@ -127,14 +128,15 @@ class LayerNormDenseGeneral(nn.Module):
             bias = self.param("bias", with_axes(flat_bias_init(self.bias_init), self.bias_axes), features,
                               self.param_dtype)
         group = fp8_state(self)
-        if context.is_fp8_enabled():
+        if uses_fp8(self):
             record_forward(self, group, y, kernel)
         else:
             kernel = kernel.astype(dtype)
             bias = None if bias is None else bias.astype(dtype)
-        z = dense(y, kernel, bias, contracting_dims=((y.ndim - 1,), (0,)), input_axes=self.dot_input_axes,
-                  kernel_axes=self.kernel_axes or None, quantizer_set=group, precision=self.precision,
-                  transpose_batch_sequence=self.transpose_batch_sequence)
+        with gemm_scope(self):
+            z = dense(y, kernel, bias, contracting_dims=((y.ndim - 1,), (0,)), input_axes=self.dot_input_axes,
+                      kernel_axes=self.kernel_axes or None, quantizer_set=group, precision=self.precision,
+                      transpose_batch_sequence=self.transpose_batch_sequence)
         if self.enable_low_rank_adaptation:
             z = z + low_rank_adaptation(self, y, (y.shape[-1],), features, self.low_rank_adaptation_dim,
                                         self.low_rank_adaptation_alpha, self.kernel_init, param_dtype=self.param_dtype)

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from .. import context
 from ..activation import activation
 from ..dense import dense
 from ..sharding import with_sharding_constraint_by_logical_axes
@@ -18,10 +17,12 @@ from .base import (
     compute_dtype,
     default_kernel_init,
     fp8_state,
+    gemm_scope,
     low_rank_adaptation,
     normalize_axes,
     record_forward,
     tuple_of,
+    uses_fp8,
     with_axes,
 )
 from .dense import check_checkpoint_name
@@ -123,7 +124,7 @@ class LayerNormMLP(nn.Module):
             wi_bias = self.param("wi_bias", with_axes(self.bias_init, self.bias_axes_1), (n_act, inter),
                                  self.param_dtype)
             wo_bias = self.param("wo_bias", with_axes(self.bias_init, self.bias_axes_2), (hidden,), self.param_dtype)
-        fp8 = context.is_fp8_enabled()
+        fp8 = uses_fp8(self)
         if not fp8:
             wi, wo = wi.astype(dtype), wo.astype(dtype)
             wi_bias = None if wi_bias is None else wi_bias.astype(dtype)
@@ -133,9 +134,10 @@ class LayerNormMLP(nn.Module):
         if fp8:
             record_forward(self, group_1, y, wi, "_0")
         y = with_sharding_constraint_by_logical_axes(y, self.dot_1_input_axes)
-        h = dense(y, wi, wi_bias, contracting_dims=((y.ndim - 1,), (0,)), input_axes=self.dot_1_input_axes,
-                  kernel_axes=self.kernel_axes_1 or None, quantizer_set=group_1, precision=self.precision,
-                  transpose_batch_sequence=self.transpose_batch_sequence)
+        with gemm_scope(self):
+            h = dense(y, wi, wi_bias, contracting_dims=((y.ndim - 1,), (0,)), input_axes=self.dot_1_input_axes,
+                      kernel_axes=self.kernel_axes_1 or None, quantizer_set=group_1, precision=self.precision,
+                      transpose_batch_sequence=self.transpose_batch_sequence)
         if self.enable_low_rank_adaptation:
             h = h + low_rank_adaptation(self, y, (hidden,), (n_act, inter), self.low_rank_adaptation_dim,
                                         self.low_rank_adaptation_alpha, self.kernel_init, "wi_", self.param_dtype)
@@ -148,9 +150,10 @@ class LayerNormMLP(nn.Module):
         group_2 = fp8_state(self, "_1")
         if fp8:
             record_forward(self, group_2, z, wo, "_1")
-        out = dense(z, wo, wo_bias, contracting_dims=((z.ndim - 1,), (0,)), input_axes=self.dot_2_input_axes,
-                    kernel_axes=self.kernel_axes_2 or None, quantizer_set=group_2, precision=self.precision,
-                    transpose_batch_sequence=self.transpose_batch_sequence)
+        with gemm_scope(self):
+            out = dense(z, wo, wo_bias, contracting_dims=((z.ndim - 1,), (0,)), input_axes=self.dot_2_input_axes,
+                        kernel_axes=self.kernel_axes_2 or None, quantizer_set=group_2, precision=self.precision,
+                        transpose_batch_sequence=self.transpose_batch_sequence)
         if self.enable_low_rank_adaptation:
             out = out + low_rank_adaptation(self, z, (inter,), (hidden,), self.low_rank_adaptation_dim,
                                             self.low_rank_adaptation_alpha, self.kernel_init, "wo_", self.param_dtype)

@@ -62,8 +62,8 @@ def wrap_function_in_te_state_module(f: Callable, quantization_recipe: Optional[
                 return self.generate_quantizer_set(postfix, OVERWRITE_WITH_GRADIENT, fp8_recipe=quantization_recipe,
                                                    n_groups=n_groups)
 
-            with context.autocast(enabled=quantization_recipe is not None, recipe=quantization_recipe,
-                                  mesh_resource=current_mesh_resource()):
+            fp8 = quantization_recipe is not None and not self.is_initializing()  # init: shapes only
+            with context.autocast(enabled=fp8, recipe=quantization_recipe, mesh_resource=current_mesh_resource()):
                 return f(generate_quantizer_set, *args, **kwargs)
 
     Wrapper.__name__ = Wrapper.__qualname__ = f"TEWrapper_{name or getattr(f, '__name__', 'function')}"
