@@ -4,7 +4,7 @@ attention runs in high precision."""
 
 from . import module  # noqa: E402,F401  (Transformer Engine's module path: te.flax.module.DenseGeneral)
 from .attention import DotProductAttention
-from .dense import DenseGeneral
+from .dense import Dense, DenseGeneral
 from .layernorm import LayerNorm, LayerNormDenseGeneral
 from .mha import MultiHeadAttention
 from .mlp import LayerNormMLP
@@ -12,6 +12,7 @@ from .transformer import RelativePositionBiases, TransformerLayer, TransformerLa
 from .wrap import TransformerEngineBase, make_dot_general_cls, make_grouped_dense_cls, wrap_function_in_te_state_module
 
 __all__ = [
+    "Dense",
     "DenseGeneral",
     "DotProductAttention",
     "LayerNorm",

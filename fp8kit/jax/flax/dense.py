@@ -24,7 +24,7 @@ from .base import (
     with_axes,
 )
 
-__all__ = ["DenseGeneral"]
+__all__ = ["DenseGeneral", "Dense"]
 
 
 def check_checkpoint_name(name: Optional[str]) -> None:
@@ -100,3 +100,9 @@ class DenseGeneral(nn.Module):
             y = y + low_rank_adaptation(self, moved, in_shape, features, self.low_rank_adaptation_dim,
                                         self.low_rank_adaptation_alpha, self.kernel_init, param_dtype=self.param_dtype)
         return y.astype(dtype)
+
+
+class Dense(DenseGeneral):
+    """`DenseGeneral` under flax's name `Dense`, for swapping `flax.linen.Dense` without renaming anything: flax
+    names unnamed submodules after their class ("Dense_0"), and parameter paths and initial values follow those
+    names. Same fields as DenseGeneral (`features` an int, `axis=-1` for flax's Dense)."""
