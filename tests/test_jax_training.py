@@ -15,6 +15,7 @@ import jax.numpy as jnp  # noqa: E402
 from flax.training import train_state  # noqa: E402
 
 import fp8kit.jax as te  # noqa: E402
+import fp8kit.jax.flax as te_flax  # noqa: E402
 from fp8kit.jax.flax import DenseGeneral  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
 
@@ -182,3 +183,28 @@ def test_dense_general_flax_keywords_match_flax_dense_general():
     v = flax_dense.init(jax.random.PRNGKey(4), x)
     np.testing.assert_array_equal(np.asarray(dense.apply(v, x), np.float32),
                                   np.asarray(flax_dense.apply(v, x), np.float32))
+
+
+def test_make_dot_general_cls_is_the_same_fp8_gemm_under_its_own_recipe():
+    """flax's nn.Dense with fp8kit's dot_general (no autocast: the wrapper's recipe applies) computes what fp8kit's
+    Dense computes under autocast, and keeps the same state in "_overwrite_with_gradient"."""
+    recipe = DelayedScaling(amax_history_len=3)
+    theirs = nn.Dense(features=OUT, dot_general_cls=te_flax.make_dot_general_cls(recipe))
+    ours = te_flax.Dense(features=OUT)
+    v = theirs.init(jax.random.PRNGKey(5), jnp.zeros((ROWS, IN)))
+    assert set(v) == {"params", "_overwrite_with_gradient"}
+    state = v["_overwrite_with_gradient"]["TEWrapper_dot_general_0"]
+    ours_v = {"params": v["params"], "fp8_metas": state}
+    ours_grad = jax.jit(jax.value_and_grad(lambda vv, x, c: jnp.sum(ours.apply(vv, x) * c)))
+    theirs_grad = jax.jit(jax.value_and_grad(lambda vv, x, c: jnp.sum(theirs.apply(vv, x) * c)))
+    for x, c in _data(3):
+        with te.autocast(enabled=True, recipe=recipe):
+            loss_o, g_o = ours_grad(ours_v, x, c)
+        loss_t, g_t = theirs_grad(v, x, c)  # outside any autocast
+        assert float(loss_o) == float(loss_t)
+        new_state = g_t["_overwrite_with_gradient"]["TEWrapper_dot_general_0"]
+        for name in g_o["fp8_metas"]:
+            assert np.array_equal(_bits(g_o["fp8_metas"][name]), _bits(new_state[name])), name
+        ours_v = {"params": v["params"], "fp8_metas": g_o["fp8_metas"]}
+        v = {"params": v["params"], "_overwrite_with_gradient": g_t["_overwrite_with_gradient"]}
+    assert float(new_state["x_scale"][0]) != 1.0

@@ -17,6 +17,7 @@ from typing import Any, Callable, Mapping, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from ..sharding import HEAD_AXES
@@ -193,7 +194,7 @@ class DotProductAttention(nn.Module):
             if sequence_descriptor is not None:
                 raise ValueError("DotProductAttention: pass the mask as sequence_descriptor or mask, not both")
             sequence_descriptor = mask
-        if sequence_descriptor is not None and not isinstance(sequence_descriptor, (jax.Array, jnp.ndarray)):
+        if sequence_descriptor is not None and not isinstance(sequence_descriptor, (jax.Array, np.ndarray)):
             raise NotImplementedError("DotProductAttention: only an array mask is supported as sequence_descriptor")
         if self.dtype is not None and jnp.dtype(self.dtype) != query.dtype:
             raise ValueError(f"DotProductAttention: dtype={self.dtype} (deprecated) differs from the inputs' "
