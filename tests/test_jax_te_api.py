@@ -215,3 +215,32 @@ def test_update_collections_and_mesh_resource():
         assert global_mesh_resource() is resource and resource.amax_axes == ("data", "model")
     with te.autocast(enabled=False):
         assert global_mesh_resource() == MeshResource()  # an autocast always sets one
+
+
+def test_bad_arguments_are_named():
+    x = jnp.ones((2, 4, 16))
+    q = jnp.ones((2, 4, 2, 8))
+    cases = [
+        (ValueError, "attn_mask_type", lambda: te_flax.DotProductAttention(8, 2, attn_mask_type="diagonal").init(
+            jax.random.PRNGKey(0), q, q, q)),
+        (ValueError, "softmax_type", lambda: te_flax.DotProductAttention(8, 2, softmax_type="sparse").init(
+            jax.random.PRNGKey(0), q, q, q)),
+        (ValueError, "num_gqa_groups", lambda: te_flax.DotProductAttention(8, 3).init(jax.random.PRNGKey(0), q, q, q)),
+        (ValueError, "norm_type", lambda: te_flax.LayerNorm(layernorm_type="batchnorm").init(jax.random.PRNGKey(0),
+                                                                                               x)),
+        (ValueError, "low_rank_adaptation_scope", lambda: te_flax.MultiHeadAttention(
+            8, 2, low_rank_adaptation_scope="some").init(jax.random.PRNGKey(0), x, x)),
+        (NotImplementedError, "decode", lambda: te_flax.MultiHeadAttention(8, 2).init(
+            jax.random.PRNGKey(0), x, x, decode=True)),
+        (ValueError, "layer_type", lambda: te_flax.TransformerLayer(16, 32, 2, layer_type="encoder").init(
+            jax.random.PRNGKey(0), x)),
+        (ValueError, "num_attention_heads", lambda: te_flax.TransformerLayer(16, 32, 3).init(jax.random.PRNGKey(0),
+                                                                                              x)),
+        (NotImplementedError, "quantization_checkpoint_name", lambda: te_flax.DenseGeneral(
+            4, quantization_checkpoint_name="q").init(jax.random.PRNGKey(0), x)),
+        (ValueError, "axis", lambda: te_flax.LayerNormDenseGeneral(4, axis=0).init(jax.random.PRNGKey(0), x)),
+        (ValueError, "activation_type", lambda: te.activation.activation(jnp.ones((2, 1, 4)), ("nonsense",))),
+    ]
+    for error, name, fn in cases:
+        with pytest.raises(error, match=name):
+            jax.eval_shape(fn)
