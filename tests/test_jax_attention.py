@@ -132,15 +132,16 @@ def test_softmax_variants_and_layouts():
         _run(q, k, v, score_mod=lambda s: s)
 
 
+@pytest.mark.slow
 def test_dropout_is_unbiased_and_needs_an_rng():
     q, k, v = _qkv(seed=3)
     dpa = te_flax.DotProductAttention(head_dim=D, num_attention_heads=H, attention_dropout=0.3)
     plain = dpa.apply({}, q, k, v, deterministic=True)
-    keys = jax.random.split(jax.random.PRNGKey(0), 400)
+    keys = jax.random.split(jax.random.PRNGKey(0), 128)
     runs = jax.jit(jax.vmap(lambda key: dpa.apply({}, q, k, v, deterministic=False, rngs={"dropout": key})))(keys)
     assert float(jnp.max(jnp.abs(runs[0] - plain))) > 1e-2  # dropout happened
     err = np.abs(np.asarray(runs.mean(0)) - np.asarray(plain)).mean() / np.abs(np.asarray(plain)).mean()
-    assert err < 0.08, err
+    assert err < 0.12, err  # without the 1/keep_prob rescaling it would be about 0.3
     with pytest.raises(Exception, match="dropout"):
         dpa.apply({}, q, k, v, deterministic=False)
 

@@ -187,13 +187,19 @@ def test_layernorm_dense_and_mlp_functions_equal_the_modules():
     mlp = te_flax.LayerNormMLP(intermediate_dim=12, activations=("gelu", "linear"), use_bias=True,
                                bias_init=nn.initializers.normal(0.5))
     with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
-        p1 = nn.unbox(ldg.init(jax.random.PRNGKey(0), x))["params"]
-        p2 = nn.unbox(mlp.init(jax.random.PRNGKey(1), x))["params"]
-        y1, _ = ldg.apply({"params": p1}, x)
-        f1 = te.layernorm_dense(x, p1["kernel"], p1["scale"], p1["ln_bias"], p1["bias"], epsilon=1e-6)
-        y2, _ = mlp.apply({"params": p2}, x, deterministic=True)
-        f2 = te.layernorm_mlp(x, p2["scale"], p2["ln_bias"], [p2["wi_kernel"], p2["wo_kernel"]],
-                              [p2["wi_bias"], p2["wo_bias"]], "layernorm", activation_type=("gelu", "linear"))
+        p1, p2 = jax.jit(lambda x: (nn.unbox(ldg.init(jax.random.PRNGKey(0), x))["params"],
+                                    nn.unbox(mlp.init(jax.random.PRNGKey(1), x))["params"]))(x)
+
+        @jax.jit
+        def outputs(p1, p2, x):
+            y1, _ = ldg.apply({"params": p1}, x)
+            f1 = te.layernorm_dense(x, p1["kernel"], p1["scale"], p1["ln_bias"], p1["bias"], epsilon=1e-6)
+            y2, _ = mlp.apply({"params": p2}, x, deterministic=True)
+            f2 = te.layernorm_mlp(x, p2["scale"], p2["ln_bias"], [p2["wi_kernel"], p2["wo_kernel"]],
+                                  [p2["wi_bias"], p2["wo_bias"]], "layernorm", activation_type=("gelu", "linear"))
+            return y1, f1, y2, f2
+
+        y1, f1, y2, f2 = outputs(p1, p2, x)
     np.testing.assert_array_equal(f1, y1)
     np.testing.assert_array_equal(f2, y2)
     assert float(jnp.max(jnp.abs(y2))) > 0

@@ -40,6 +40,7 @@ def test_getting_started_guide_runs_every_step(tmp_path):
     assert 1e-3 < difference < 0.1  # FP8, but close to high precision
 
 
+@pytest.mark.slow
 def test_lm1b_model_swaps_its_dense_layers_by_namespace():
     """The same model code under flax.linen and fp8_linen(): identical parameters from the same key, and the FP8
     model owns FP8 state for every Dense (fp8_metas) and attention projection (_overwrite_with_gradient)."""

@@ -95,7 +95,7 @@ def test_transformer_layer_matches_float64_from_its_parameters():
     assert abs(kernel[:, 0].std() * math.sqrt(HIDDEN) * math.sqrt(D) - 1) < 0.15
 
 
-@pytest.mark.parametrize("groups,fuse", [(2, True), (HEADS, False)])
+@pytest.mark.parametrize("groups,fuse", [(2, True), pytest.param(HEADS, False, marks=pytest.mark.slow)])
 def test_mha_gqa_and_unfused_projections(groups, fuse):
     mha = te_flax.MultiHeadAttention(head_dim=D, num_attention_heads=HEADS, num_gqa_groups=groups,
                                      fuse_qkv_params=fuse, attn_mask_type="causal")
@@ -112,6 +112,7 @@ def test_mha_gqa_and_unfused_projections(groups, fuse):
                                rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_transformer_layer_fp8_steps_state_numbers_and_one_compilation():
     x = _x(2)
     traces = []
