@@ -43,6 +43,7 @@ from dist_common import (  # noqa: E402
     reduce_over_ranks,
     state_np,
 )
+from dist_workers_mlp import check_tp_layernorm_linear, check_tp_layernorm_mlp  # noqa: E402, F401
 from dist_workers_rules import (  # noqa: E402, F401
     check_rule_caught_exception,
     check_rule_different_groups,
@@ -321,7 +322,10 @@ def check_registration_mismatch():
 
 def _mlp(seed):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(te.Linear(32, 64), torch.nn.ReLU(), te.Linear(64, 32))
+    model = torch.nn.Sequential(te.Linear(32, 64), torch.nn.ReLU(), te.Linear(64, 32))
+    for layer in (model[0], model[2]):  # torch.nn.Linear's initialisation (the thresholds below assume it)
+        torch.nn.Linear.reset_parameters(layer)
+    return model
 
 
 def _train_with_single_process_twin(model, single, recipe, local_recipe, steps: int, seed: int) -> None:
