@@ -6,6 +6,10 @@ skips; once it exists, `_torch_model` and `_torch_states` below must map paramet
 the test runs. Configuration chosen so that both frontends compute the same function: no relative position biases,
 logits scaled by 1/sqrt(head_dim) (`scale_attn_logits=True`, `scaled_query_init=False`), no dropout, biases on,
 GELU MLP, causal self-attention.
+
+Kernel slots are compared bit for bit; the others to 1e-6 relative: the norms, the softmax and the GEMM sums run in
+each framework's float32 reduction order, so activations (and their amaxes) may differ in the last bit
+(tests/test_jax_parity_mlp.py measures this for LayerNormMLP: kernels bit-identical, the rest within 1e-6).
 """
 
 import numpy as np
@@ -98,5 +102,8 @@ def test_transformer_stack_matches_pytorch():
         (y * torch.from_numpy(c)).sum().backward()
         got = _torch_states(model)
         for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want[step])):
-            g = np.asarray(g, np.float32)
-            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (step, jax.tree_util.keystr(path), g, w)
+            g, name = np.asarray(g, np.float32), jax.tree_util.keystr(path)
+            if "kernel" in name:
+                assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (step, name, g, w)
+            else:
+                np.testing.assert_allclose(g, w, rtol=1e-6, err_msg=f"step {step} {name}")
