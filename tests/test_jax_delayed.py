@@ -182,7 +182,10 @@ def test_state_and_casts_match_reference(algo, length):
 def test_recipe_fields(kwargs):
     variables = run_and_compare(DelayedScaling(**kwargs), steps=8, check_every_gemm=False)
     if kwargs.get("interval", 1) > 1:
+        # each state counts the updates it took part in: x and kernel were used in all 8 steps, the output
+        # gradient was zero in one of them (c_mags), as the reference (which the scales above matched) counts
         assert float(variables["fp8_metas"]["update_count"][0]) == 8 % kwargs["interval"]
+        assert float(variables["fp8_metas"]["grad_update_count"][0]) == 7 % kwargs["interval"]
     else:
         assert "update_count" not in variables["fp8_metas"]
 
@@ -293,6 +296,7 @@ def _one_use_grads(v, x, c):
     return y, vjp(c)[0]
 
 
+@pytest.mark.filterwarnings("ignore:fp8kit. a delayed-scaling layer is differentiated")  # _one_use_grads: dL/dx only
 @pytest.mark.parametrize("how", ["submodule", "two_applies"])
 def test_reuse_in_one_step_max_combines(how):
     rng = np.random.default_rng(7)
@@ -498,6 +502,23 @@ def test_clear_errors():
             pass
     with pytest.raises(ValueError, match="update_fp8_metas"):
         te.update_fp8_metas({})
+
+
+def test_state_saved_with_one_count_is_refused_then_upgraded():
+    recipe = DelayedScaling(amax_history_len=2, interval=2)
+    layer = DenseGeneral(features=OUT)
+    x = jnp.ones((ROWS, IN))
+    with te.autocast(enabled=True, recipe=recipe):
+        v = jax.eval_shape(layer.init, jax.random.PRNGKey(0), x)
+        old = {k: val for k, val in v["fp8_metas"].items() if k != "grad_update_count"}
+        old["update_count"] = jnp.array([1.0])  # the rest only needs shapes
+        with pytest.raises(ValueError, match="upgrade_fp8_metas"):
+            jax.eval_shape(layer.apply, {"params": v["params"], "fp8_metas": old}, x)
+        with pytest.raises(ValueError, match="upgrade_fp8_metas"):
+            te.split_grads({"params": {}, "fp8_metas": old}, old)
+        new = te.upgrade_fp8_metas({"layer": old})["layer"]
+        assert new["grad_update_count"] is old["update_count"] and set(new) == set(v["fp8_metas"])
+        jax.eval_shape(layer.apply, {"params": v["params"], "fp8_metas": new}, x)
 
 
 def test_disabled_autocast_ignores_the_state():

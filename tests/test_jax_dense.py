@@ -40,7 +40,7 @@ def _run(recipe, x, k, b, c, fp8_meta=None):
     """(y, dx, dk, db) of sum(dense(x, k, b) * c) under autocast, jitted."""
 
     def loss(x, k, b):
-        y = te.dense(x, k, b, fp8_meta)
+        y = te.dense(x, k, b, quantizer_set=fp8_meta)
         return jnp.sum(y.astype(jnp.float32) * c), y
 
     with te.autocast(enabled=True, recipe=recipe):
@@ -92,12 +92,13 @@ def test_delayed_functional_dense_with_explicit_state():
     meta = {**meta, "x_scale": jnp.array([30.0]), "kernel_scale": jnp.array([500.0]), "grad_scale": jnp.array([0.5])}
 
     def loss(meta, x, k, b):
-        return jnp.sum(te.dense(x, k, b, meta) * c)
+        return jnp.sum(te.dense(x, k, b, quantizer_set=meta) * c)
 
     with te.autocast(enabled=True, recipe=recipe):
         gm, dx, dk, _ = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(meta, jnp.asarray(x), jnp.asarray(k),
                                                                        jnp.asarray(b))
-        y = jax.jit(lambda *a: te.dense(*a))(jnp.asarray(x), jnp.asarray(k), jnp.asarray(b), meta)
+        y = jax.jit(lambda *a: te.dense(*a[:3], quantizer_set=a[3]))(jnp.asarray(x), jnp.asarray(k), jnp.asarray(b),
+                                                                        meta)
     qx, qk, qg = _deq(x, "e4m3", 30.0), _deq(k, "e4m3", 500.0), _deq(c, "e5m2", 0.5)
     assert_gemm(y, qx @ qk + b, np.abs(qx) @ np.abs(qk) + np.abs(b), "y")
     assert_gemm(dx, qg @ qk.T, np.abs(qg) @ np.abs(qk).T, "dx")
@@ -135,7 +136,7 @@ def test_contracting_several_axes_and_shapes():
     x = rng.standard_normal((2, 3, 4, 5)).astype(np.float32)
     k = rng.standard_normal((4, 5, 6, 2)).astype(np.float32)
     with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
-        y = te.dense(jnp.asarray(x), jnp.asarray(k), contracting_ndim=2)
+        y = te.dense(jnp.asarray(x), jnp.asarray(k), contracting_dims=((2, 3), (0, 1)))
         y2 = te.dense(jnp.asarray(x.reshape(6, 20)), jnp.asarray(k.reshape(20, 12)))
         empty = te.dense(jnp.zeros((0, 5)), jnp.ones((5, 3)))
     assert y.shape == (2, 3, 6, 2) and empty.shape == (0, 3)

@@ -17,7 +17,7 @@ import reference as ref  # noqa: E402
 
 
 def _shapes(tree):
-    return jax.tree.map(lambda a: tuple(a.shape), tree)
+    return jax.tree.map(lambda a: tuple(a.shape), nn.unbox(tree))
 
 
 def test_seed_current_scaling_example():
@@ -48,7 +48,7 @@ def test_fp8_metas_layout_of_every_layer():
     with te.autocast(enabled=True, recipe=recipe):
         dense = jax.jit(DenseGeneral(features=(4, 2), kernel_init=nn.initializers.ones).init)(key, x)
         ln_dense = jax.eval_shape(LayerNormDenseGeneral(features=4).init, key, x)
-        mlp_layer = LayerNormMLP(intermediate_dim=6, activations=("gelu", "linear"), use_bias=True)
+        mlp_layer = LayerNormMLP(intermediate_dim=6, activations=("linear", "gelu"), use_bias=True)
         mlp = jax.eval_shape(lambda: mlp_layer.init(key, x, deterministic=True))
 
     def metas(postfix):
@@ -70,7 +70,8 @@ def test_fp8_metas_layout_of_every_layer():
         assert leaf.dtype == jnp.float32 and np.all(np.asarray(leaf) == want)
     with te.autocast(enabled=True, recipe=DelayedScaling(amax_history_len=2, interval=4)):
         v = jax.eval_shape(DenseGeneral(features=3).init, key, x)
-    assert _shapes(v["fp8_metas"])["update_count"] == (1,)
+    assert _shapes(v["fp8_metas"])["update_count"] == (1,)  # the forward state's count
+    assert _shapes(v["fp8_metas"])["grad_update_count"] == (1,)  # the backward state's count
 
 
 def test_dense_general_matches_flax_outside_autocast_and_in_fp8():
@@ -107,11 +108,12 @@ def test_layernorm_dense_general(kind, zero_centered):
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((4, 6, 16)) * 3 + 1, jnp.float32)
     layer = LayerNormDenseGeneral(features=8, layernorm_type=kind, zero_centered_gamma=zero_centered, use_bias=True,
-                                  scale_init=nn.initializers.normal(0.5), ln_bias_init=nn.initializers.normal(0.5))
+                                  scale_init=nn.initializers.normal(0.5), ln_bias_init=nn.initializers.normal(0.5),
+                                  return_layernorm_output=True)
     recipe = DelayedScaling(amax_history_len=4)
     c = jnp.asarray(rng.standard_normal((4, 6, 8)), jnp.float32)
     with te.autocast(enabled=True, recipe=recipe):
-        v = jax.jit(layer.init)(jax.random.PRNGKey(2), x)
+        v = nn.unbox(jax.jit(layer.init)(jax.random.PRNGKey(2), x))
         assert ("ln_bias" in v["params"]) == (kind == "layernorm")
         p = v["params"]
 
@@ -131,7 +133,7 @@ def test_layernorm_dense_general(kind, zero_centered):
     assert float(metas["kernel_amax_history"][-1]) == ref.amax(np.asarray(p["kernel"]))
     assert float(metas["grad_amax_history"][-1]) == ref.amax(np.asarray(c))
     assert set(grads["params"]) == set(p)
-    no_ln_out = LayerNormDenseGeneral(features=8, layernorm_type=kind, return_layernorm_output=False)
+    no_ln_out = LayerNormDenseGeneral(features=8, layernorm_type=kind)  # Transformer Engine's default: no ln_output
     with te.autocast(enabled=True, recipe=Float8CurrentScaling()):
         out, none = jax.eval_shape(lambda: no_ln_out.apply(no_ln_out.init(jax.random.PRNGKey(2), x), x))
     assert none is None and out.shape == (4, 6, 8)
@@ -150,11 +152,13 @@ def _mlp64(x, p, acts):
 def test_layernorm_mlp(acts):
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32)
-    layer = LayerNormMLP(intermediate_dim=32, activations=acts, use_bias=True, bias_init=nn.initializers.normal(0.1))
+    layer = LayerNormMLP(intermediate_dim=32, activations=acts, use_bias=True, bias_init=nn.initializers.normal(0.1),
+                         return_layernorm_output=True, intermediate_dropout_rate=0.1)
     c = jnp.asarray(rng.standard_normal((4, 8, 16)), jnp.float32)
     recipe = DelayedScaling(amax_history_len=4)  # long enough that the history holds every step's amax
     with te.autocast(enabled=True, recipe=recipe):
-        v = jax.jit(layer.init, static_argnames="deterministic")(jax.random.PRNGKey(3), x, deterministic=True)
+        v = nn.unbox(jax.jit(layer.init, static_argnames="deterministic")(jax.random.PRNGKey(3), x,
+                                                                          deterministic=True))
 
         @jax.jit
         def step(v):
@@ -169,7 +173,7 @@ def test_layernorm_mlp(acts):
             (out, ln_out), (pgrads, metas) = step(v)
             v = {"params": v["params"], "fp8_metas": metas}
         with pytest.raises(Exception, match="dropout"):
-            jax.eval_shape(layer.apply, v, x)  # dropout (rate 0.1, like Transformer Engine) needs an rng
+            jax.eval_shape(layer.apply, v, x)  # dropout (rate 0.1 here; 0 by default) needs an rng
         jax.eval_shape(lambda: layer.apply(v, x, rngs={"dropout": jax.random.PRNGKey(5)}))
     want = _mlp64(x, v["params"], acts)
     err = np.linalg.norm(np.asarray(out) - want) / np.linalg.norm(want)

@@ -75,7 +75,7 @@ SCRIPT = textwrap.dedent(
     # 2. shard_map: each device sees its shard; fp8kit all-reduces (pmax) over the MeshResource axes
     with te.autocast(enabled=True, recipe=recipe, mesh_resource=resource):
         def local_loss(meta, x, k, c):
-            return jax.lax.psum(jnp.sum(te.dense(x, k, None, meta) * c), ("dp", "tp"))
+            return jax.lax.psum(jnp.sum(te.dense(x, k, None, quantizer_set=meta) * c), ("dp", "tp"))
 
         sharded_loss = jax.shard_map(local_loss, mesh=mesh, in_specs=(P(), P("dp", None), P(None, "tp"),
                                                                      P("dp", "tp")), out_specs=P())
@@ -100,7 +100,7 @@ SCRIPT = textwrap.dedent(
     with te.autocast(enabled=True, recipe=recipe, mesh_resource=resource):
         def stage_loss(meta, x, k, c):
             meta = jax.tree.map(lambda a: a[0], meta)
-            return jax.lax.psum(jnp.sum(te.dense(x[0], k[0], None, meta) * c[0]), ("pp", "dp"))
+            return jax.lax.psum(jnp.sum(te.dense(x[0], k[0], None, quantizer_set=meta) * c[0]), ("pp", "dp"))
 
         pipelined = jax.shard_map(stage_loss, mesh=mesh, in_specs=(P("pp"), P("pp", "dp"), P("pp"), P("pp", "dp")),
                                   out_specs=P())

@@ -50,12 +50,16 @@ RECIPES = [
     DelayedScaling(amax_history_len=1, amax_compute_algo="most_recent"),
     DelayedScaling(amax_history_len=3, interval=2, fp8_format=Format.E4M3),
     DelayedScaling(amax_history_len=5, power_2_scale=True),
+    DelayedScaling(amax_history_len=3, margin=5.0),
+    DelayedScaling(amax_history_len=2, margin=2.5, interval=3),
     Float8CurrentScaling(),
 ]
 
 
-IDS = ["delayed", "most-recent-L1", "interval-e4m3", "pow2", "current"]
-FAST = {("delayed", "float32"), ("current", "bfloat16")}
+IDS = ["delayed", "most-recent-L1", "interval-e4m3", "pow2", "margin-5.0", "margin-2.5-interval3", "current"]
+# interval counts the updates each state takes part in (MAGNITUDES has a zero x and a zero gradient): the same
+# steps recompute the scales in both frontends; real margins give the same float32 scaled maxima
+FAST = {("delayed", "float32"), ("current", "bfloat16"), ("margin-2.5-interval3", "bfloat16")}
 CASES = [pytest.param(r, d, id=f"{i}-{d}", marks=() if (i, d) in FAST else pytest.mark.slow)
          for r, i in zip(RECIPES, IDS) for d in ("float32", "bfloat16")]
 

@@ -1,8 +1,8 @@
-"""`autocast`, `MeshResource` and the trace-time context the FP8 layers read.
+"""`autocast` and the trace-time context the FP8 layers read.
 
-Everything here is read when a function is traced (like every JAX configuration): a jitted function keeps the
-autocast settings it was traced with. The context is a context-local stack; nothing is read from environment
-variables and nothing is patched at import time.
+Everything here is read when a function is traced. The autocast settings are part of `jax.jit`'s cache key
+(fp8kit/jax/settings.py): a jitted function traced outside `autocast` is traced again when called inside one. The
+context is a context-local stack; nothing is read from environment variables and nothing is patched at import time.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import warnings
 import weakref
 from typing import Iterator, List, Optional, Tuple
 
@@ -17,49 +18,16 @@ from jax import lax
 from jax.extend.core import get_opaque_trace_state
 
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from . import settings
+from .sharding import MeshResource, current_mesh_resource, global_shard_guard
 
 __all__ = ["MeshResource", "autocast", "fp8_autocast", "deferred_update", "get_recipe", "is_fp8_enabled"]
 
 
 @dataclasses.dataclass(frozen=True)
-class MeshResource:
-    """Names of the mesh axes used for each kind of parallelism (None: not used).
-
-    Amaxes are all-reduced with MAX over every named axis except `pp_resource` (pipeline stages hold different
-    layers, so their tensors are not shards of one tensor). Under `jax.jit` with sharded global arrays this happens
-    by itself (the max of a global array is global); the names matter inside `shard_map`, where fp8kit calls
-    `lax.pmax` over those of them that are bound.
-    """
-
-    dp_resource: Optional[str] = None
-    tp_resource: Optional[str] = None
-    tpsp_resource: Optional[str] = None
-    fsdp_resource: Optional[str] = None
-    pp_resource: Optional[str] = None
-    cp_resource: Optional[str] = None
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if value is not None and not isinstance(value, str):
-                raise ValueError(f"{field.name}: expected a mesh axis name (str) or None, got {value!r}")
-
-    @property
-    def amax_axes(self) -> Tuple[str, ...]:
-        """The axes amaxes are reduced over: every named axis except pipeline parallelism, without repeats."""
-        names = (self.dp_resource, self.fsdp_resource, self.tp_resource, self.tpsp_resource, self.cp_resource)
-        out: List[str] = []
-        for name in names:
-            if name is not None and name != self.pp_resource and name not in out:
-                out.append(name)
-        return tuple(out)
-
-
-@dataclasses.dataclass(frozen=True)
 class _Frame:
     enabled: bool
-    recipe: Recipe
-    mesh_resource: MeshResource
+    recipe: Optional[Recipe]  # None when disabled (so that disabled frames share one jit key)
 
 
 def _trace_stack() -> Optional[List[object]]:
@@ -136,9 +104,7 @@ class _TokenRegistry:
         table[key] = (weakref.ref(leaf), token)
 
 
-_STACK: contextvars.ContextVar[Tuple[_Frame, ...]] = contextvars.ContextVar("fp8kit_jax_autocast", default=())
 _REGISTRY: contextvars.ContextVar[Optional[_TokenRegistry]] = contextvars.ContextVar("fp8kit_jax_tokens", default=None)
-_DEFERRED: contextvars.ContextVar[bool] = contextvars.ContextVar("fp8kit_jax_deferred", default=False)
 
 
 @contextlib.contextmanager
@@ -164,13 +130,13 @@ def autocast(
         mesh_resource = MeshResource()
     if not isinstance(mesh_resource, MeshResource):
         raise ValueError(f"mesh_resource: expected a fp8kit.jax.MeshResource, got {type(mesh_resource).__name__}")
-    stack = _STACK.get()
-    token = _STACK.set(stack + (_Frame(enabled, recipe, mesh_resource),))
+    stack = settings.AUTOCAST.get()
     registry_token = _REGISTRY.set(_TokenRegistry()) if not stack else None
     try:
-        yield
+        with global_shard_guard(mesh_resource):
+            with settings.scoped(settings.AUTOCAST, stack + (_Frame(enabled, recipe if enabled else None),)):
+                yield
     finally:
-        _STACK.reset(token)
         if registry_token is not None:
             _REGISTRY.reset(registry_token)
 
@@ -179,7 +145,10 @@ def autocast(
 def fp8_autocast(
     enabled: bool = False, fp8_recipe: Optional[Recipe] = None, mesh_resource: Optional[MeshResource] = None
 ) -> Iterator[None]:
-    """The older name of `autocast` (Transformer Engine's `fp8_autocast(enabled, fp8_recipe, mesh_resource)`)."""
+    """The older name of `autocast` (Transformer Engine's `fp8_autocast(enabled, fp8_recipe, mesh_resource)`);
+    deprecated in favour of `autocast`, as in Transformer Engine."""
+    warnings.warn("fp8_autocast is deprecated; use autocast(enabled=..., recipe=..., mesh_resource=...)",
+                  DeprecationWarning, stacklevel=3)
     with autocast(enabled=enabled, recipe=fp8_recipe, mesh_resource=mesh_resource):
         yield
 
@@ -192,15 +161,12 @@ def deferred_update() -> Iterator[None]:
     Staged states of microbatches combine exactly with an elementwise max (`accumulate_grads`); turn them into the
     updated state with `split_grads(..., fp8_metas=old)` / `update_fp8_metas`. See docs/jax.md.
     """
-    token = _DEFERRED.set(True)
-    try:
+    with settings.scoped(settings.DEFERRED, True):
         yield
-    finally:
-        _DEFERRED.reset(token)
 
 
 def current_frame() -> Optional[_Frame]:
-    stack = _STACK.get()
+    stack = settings.AUTOCAST.get()
     return stack[-1] if stack else None
 
 
@@ -217,22 +183,21 @@ def get_recipe() -> Optional[Recipe]:
 
 
 def is_deferred() -> bool:
-    return _DEFERRED.get()
+    """True inside `deferred_update()`."""
+    return settings.DEFERRED.get()
 
 
 def token_registry() -> _TokenRegistry:
+    """The token registry of the outermost autocast (a fresh, unshared one outside autocast)."""
     registry = _REGISTRY.get()
     return registry if registry is not None else _TokenRegistry()
 
 
 def bound_amax_axes() -> Tuple[str, ...]:
-    """The amax reduction axes of the current autocast that are bound here (inside `shard_map`, or a named `vmap`
-    / `pmap`); empty under plain `jit`, where reductions over global arrays are already global."""
-    frame = current_frame()
-    if frame is None:
-        return ()
+    """The amax reduction axes of the current MeshResource that are bound here (inside `shard_map`, or a named
+    `vmap` / `pmap`); empty under plain `jit`, where reductions over global arrays are already global."""
     out = []
-    for name in frame.mesh_resource.amax_axes:
+    for name in current_mesh_resource().amax_axes:
         try:
             lax.axis_size(name)
         except NameError:
@@ -242,6 +207,5 @@ def bound_amax_axes() -> Tuple[str, ...]:
 
 
 def pipeline_axis() -> Optional[str]:
-    """The pipeline-parallel axis of the current autocast's MeshResource (never reduced over), or None."""
-    frame = current_frame()
-    return None if frame is None else frame.mesh_resource.pp_resource
+    """The pipeline-parallel axis of the current MeshResource (never reduced over), or None."""
+    return current_mesh_resource().pp_resource
