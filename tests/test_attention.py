@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import attention_reference as ref
 import fp8kit.pytorch as te
 from fp8kit.recipe import DelayedScaling
+
+import attention_reference as ref
 
 B, SQ, SKV, H, D = 2, 5, 7, 4, 8
 
@@ -106,7 +107,6 @@ def test_unmasked_and_causal_are_torch_sdpa_bit_for_bit():
 @pytest.mark.parametrize("padded", [False, True])
 def test_thd_packed_sequences_equal_padded_bshd(padded):
     lengths = [3, 6, 1]
-    total = sum(lengths)
     dpa_thd = te.DotProductAttention(H, D, num_gqa_groups=2, qkv_format="thd", attn_mask_type="padding_causal")
     dpa_bshd = te.DotProductAttention(H, D, num_gqa_groups=2, qkv_format="bshd", attn_mask_type="padding_causal")
     gen = torch.Generator().manual_seed(3)
