@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from fp8kit.pytorch import Float8Tensor, host, quantize
+from fp8kit.pytorch import Float8TensorStorage, host, quantize
 
 import reference as ref
 
@@ -29,8 +29,8 @@ FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 SCALES = [1.0, 0.5, 3.7, 2.0**-10, 1e-30, 1234.5678, 2.0**40]
 
 
-def _bytes(q: Float8Tensor) -> np.ndarray:
-    return q.data.view(torch.uint8).cpu().numpy()
+def _bytes(q) -> np.ndarray:
+    return q._data.view(torch.uint8).cpu().numpy()
 
 
 def assert_same_as_reference(x_np32, q, fmt, scale):
@@ -59,7 +59,7 @@ def all_fp16() -> torch.Tensor:
 def test_every_bf16_pattern(fmt, scale):
     x = all_bf16()
     q = quantize(x, FORMATS[fmt], scale)
-    assert q.data.dtype == FORMATS[fmt] and q.dtype == torch.bfloat16
+    assert q._data.dtype == FORMATS[fmt] and q.dtype == torch.bfloat16
     assert_same_as_reference(x.float().numpy(), q, fmt, scale)
 
 
@@ -126,7 +126,7 @@ def test_shapes_and_dtypes(shape, dtype):
     x = torch.randn(shape).to(dtype) * 10
     for fmt, fp8 in FORMATS.items():
         q = quantize(x, fp8, 2.0)
-        assert q.shape == x.shape and q.data.shape == x.shape and q.fp8_dtype == fp8
+        assert q.shape == x.shape and q._data.shape == x.shape and q.fp8_dtype == fp8
         assert_same_as_reference(x.float().numpy(), q, fmt, 2.0)
         d = q.dequantize(torch.bfloat16)
         assert d.dtype == torch.bfloat16 and d.shape == x.shape
@@ -262,11 +262,11 @@ def test_cuda_cast_matches_cpu(fmt):
     for scale in SCALES:
         q_cpu = quantize(x, FORMATS[fmt], scale)
         q_gpu = quantize(x.cuda(), FORMATS[fmt], scale)
-        assert torch.equal(q_gpu.data.view(torch.uint8).cpu(), q_cpu.data.view(torch.uint8))
+        assert torch.equal(q_gpu._data.view(torch.uint8).cpu(), q_cpu._data.view(torch.uint8))
         assert q_gpu.scale_inv.item() == q_cpu.scale_inv.item()
     y = torch.randn(1000, 100) * 1e3
     q_cpu, q_gpu = quantize(y, FORMATS[fmt]), quantize(y.cuda(), FORMATS[fmt])
-    assert torch.equal(q_gpu.data.view(torch.uint8).cpu(), q_cpu.data.view(torch.uint8))
+    assert torch.equal(q_gpu._data.view(torch.uint8).cpu(), q_cpu._data.view(torch.uint8))
 
 
 
@@ -276,16 +276,16 @@ def test_values_for_the_cpu_gemm_equal_the_conversion(fmt, dtype):
     """Float8Tensor.values widens large CPU tensors by bit manipulation: every code, in any layout, must decode to
     the value ml_dtypes gives it (exact in bf16 and float32); NaN codes and flush-to-zero mode take torch's
     conversion, which must agree too."""
-    from fp8kit.pytorch.tensor import _BY_BITS_MIN_NUMEL
+    from fp8kit.pytorch.tensor.storage import WIDEN_BY_BITS_MIN_NUMEL
 
-    codes = torch.arange(256, dtype=torch.uint8).repeat(_BY_BITS_MIN_NUMEL // 256 * 2)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(WIDEN_BY_BITS_MIN_NUMEL // 256 * 2)
     fp8 = codes.view(FORMATS[fmt])
     ml_dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
     decoded = codes.numpy().view(ml_dtype).astype(np.float32)
     finite = fp8[torch.from_numpy(np.isfinite(decoded))].reshape(-1, 64)
 
     def check(data):
-        got = Float8Tensor(data, torch.ones(())).values(dtype)
+        got = Float8TensorStorage(data=data, fp8_scale_inv=torch.ones(1)).values(dtype)
         want = data.contiguous().view(torch.uint8).numpy().view(ml_dtype).astype(np.float32)
         assert got.shape == want.shape and got.dtype == dtype
         got = got.float().contiguous().numpy()

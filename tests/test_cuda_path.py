@@ -22,7 +22,7 @@ from fp8kit.pytorch import kernels
 from fp8kit.pytorch.gemm import gemm
 from fp8kit.pytorch.quantizer import CurrentQuantizer, DelayedQuantizer
 from fp8kit.pytorch.state import ScalingState
-from fp8kit.pytorch.tensor import Float8Tensor
+from fp8kit.pytorch.tensor import Float8TensorStorage
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 M, K, N = 384, 256, 160  # x [M, K], W [N, K], dy [M, N]: three different element counts
@@ -119,7 +119,7 @@ def _quantizers(recipe_name, fwd, bwd):
 @pytest.mark.parametrize("use_kernels", [True, False])
 def test_fused_step_makes_one_pass_per_operand(on_meta, recipe_name, use_kernels):
     """The three GEMMs of a Linear step called as docs/kernels.md tells Linear to: each operand quantized once with
-    its transpose, the bias gradient fused into dy's cast, `gemm` taking the column-major operands from `data_t`
+    its transpose, the bias gradient fused into dy's cast, `gemm` taking the column-major operands from `_transpose`
     (no copies)."""
     kernels.set_enabled(use_kernels)
     fwd, bwd = ScalingState(3, 4, META), ScalingState(2, 4, META)
@@ -131,11 +131,12 @@ def test_fused_step_makes_one_pass_per_operand(on_meta, recipe_name, use_kernels
 
     def step():  # docs/kernels.md, "How Linear calls them"
         x8, w8 = q_x.quantize(x, transpose=True), q_w.quantize(w, transpose=True)
-        y = gemm(x8, w8.t(), x.dtype, b, use_fast_accum=True)  # fprop  y  = x @ W.T + b
-        x_saved, w_saved = x8.data_t.t(), w8.data_t.t()  # what the forward saves: views of the transposes
+        y = gemm(x8, w8.transposed(), x.dtype, b, use_fast_accum=True)  # fprop  y  = x @ W.T + b
+        x_saved, w_saved = x8._transpose.t(), w8._transpose.t()  # what the forward saves: views of the transposes
         dy8, db = q_dy.quantize_dbias(dy)
-        dx = gemm(dy8, Float8Tensor(w_saved, w8.scale_inv), x.dtype)  # dgrad  dx = dy @ W
-        dw = gemm(dy8.t(), Float8Tensor(x_saved, x8.scale_inv), w.dtype)  # wgrad  dW = dy.T @ x
+        dx = gemm(dy8, Float8TensorStorage(data=w_saved, fp8_scale_inv=w8.scale_inv), x.dtype)  # dgrad  dx = dy @ W
+        # wgrad  dW = dy.T @ x
+        dw = gemm(dy8.transposed(), Float8TensorStorage(data=x_saved, fp8_scale_inv=x8.scale_inv), w.dtype)
         assert (y.shape, dx.shape, dw.shape, db.shape) == ((M, N), (M, K), (N, K), (N,))
         assert y.is_contiguous() and dx.is_contiguous() and dw.is_contiguous() and db.dtype == torch.bfloat16
 

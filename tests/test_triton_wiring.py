@@ -44,14 +44,14 @@ def test_quantizer_transpose_and_dbias_match_torch_path(dev, kind):
             kernels.set_enabled(None)
         results[name] = (fp8, dbias, x8, None if state is None else state.amax_history.clone())
     (a, da, xa, ha), (b, db, xb, hb) = results["torch"], results["kernels"]
-    assert torch.equal(bits(a.data), bits(b.data)) and torch.equal(bits(a.scale_inv), bits(b.scale_inv))
-    assert torch.equal(bits(xa.data), bits(xb.data))
+    assert torch.equal(bits(a._data), bits(b._data)) and torch.equal(bits(a.scale_inv), bits(b.scale_inv))
+    assert torch.equal(bits(xa._data), bits(xb._data))
     assert torch.equal(bits(da), bits(db)) and db.dtype == torch.bfloat16
     assert torch.equal(bits(db), bits(dy.float().sum(0).to(torch.bfloat16)))
-    assert_transpose(b.data, b.data_t)
-    assert_transpose(xb.data, xb.data_t)
-    if dev != "cpu":  # the torch path makes data_t only off the CPU (the emulated GEMM reads any layout)
-        assert_transpose(a.data, a.data_t)
+    assert_transpose(b._data, b._transpose)
+    assert_transpose(xb._data, xb._transpose)
+    if dev != "cpu":  # the torch path makes _transpose only off the CPU (the emulated GEMM reads any layout)
+        assert_transpose(a._data, a._transpose)
     if ha is not None:
         assert torch.equal(bits(ha), bits(hb)) and hb[0, 2].item() == 2.0
 

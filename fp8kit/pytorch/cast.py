@@ -13,7 +13,7 @@ import torch
 
 from ..recipe import FLT_MAX, SCALE_MIN
 from . import host
-from .tensor import FP8_DTYPES, Float8Tensor
+from .tensor.storage import FP8_DTYPES, Float8TensorStorage
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _DTYPE_OF_NAME = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
@@ -99,18 +99,20 @@ def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: t
     return y.to(fp8_dtype)
 
 
-def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8Tensor:
+def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8TensorStorage:
     """Quantize with a known float32 scale (no validation; the hot path)."""
-    return Float8Tensor(cast_to_fp8(x, scale, fp8_dtype), torch.reciprocal(scale.reshape(())), x.dtype)
+    return Float8TensorStorage(data=cast_to_fp8(x, scale, fp8_dtype), fp8_scale_inv=torch.reciprocal(scale.reshape(1)),
+                               fake_dtype=x.dtype)
 
 
-def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float) -> Float8Tensor:
+def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float) -> Float8TensorStorage:
     """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
     `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s."""
     # Products are monotonic in |x|: when the largest stays within range no element needs the clamp.
     in_range = host.f32(amax_value * scale) <= FP8_MAX[fp8_dtype]
     data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
-    return Float8Tensor(data, None, x.dtype, host.reciprocal(scale))  # scale_inv made from the float when asked
+    # scale_inv is made from the float when asked
+    return Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
 
 
 def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
@@ -135,8 +137,9 @@ def _checked_scale(scale: Union[torch.Tensor, float], device: torch.device) -> t
     else:
         raise TypeError(f"quantize: scale must be a float or a tensor, got {type(scale).__name__}")
     value = float(s)
-    if not (value > 0 and value != float("inf")):
-        raise ValueError(f"quantize: scale must be finite and > 0 as float32, got {value!r} (from {scale!r})")
+    if not (0 < value <= FLT_MAX and host.reciprocal(value) <= FLT_MAX):
+        raise ValueError(f"quantize: scale must be finite and > 0 as float32, with a finite reciprocal, got {value!r} "
+                         f"(from {scale!r})")
     return s
 
 
@@ -147,14 +150,17 @@ def quantize(
     *,
     amax_epsilon: float = 0.0,
     power_2_scale: bool = False,
-) -> Float8Tensor:
-    """Quantize `x` (float32, bfloat16 or float16, any shape, CPU or CUDA) to FP8.
+):
+    """Quantize `x` (float32, bfloat16 or float16, any shape, CPU or CUDA) to FP8; returns a
+    `fp8kit.pytorch.Float8Tensor` (nominal dtype x's, `_data` the FP8 bytes, `_scale_inv` float32 `[1]`).
 
-    With `scale` (a float or a one-element floating tensor, finite and > 0 in float32) cast as SPEC section 1.
-    Without it, apply current scaling (SPEC section 3): `scale = fp8_max / max(amax(x), amax_epsilon)`,
-    1 when that amax is 0, inf or NaN, optionally rounded down to a power of two.
-    Returns a Float8Tensor whose `.data` has x's shape and `.scale_inv` is one float32 element.
+    With `scale` (a float or a one-element floating tensor, finite and > 0 in float32, with a finite reciprocal) cast
+    as SPEC section 1. Without it, apply current scaling (SPEC section 3):
+    `scale = fp8_max / max(amax(x), amax_epsilon)`, 1 when that amax is 0, inf or NaN, optionally rounded down to a
+    power of two.
     """
+    from .tensor.float8_tensor import wrap  # the public tensor type (imported late: it builds on this module)
+
     _check_input(x, fp8_dtype)
     x = x.detach()
     fast = host.active(x.device)
@@ -164,10 +170,11 @@ def quantize(
             raise ValueError(f"quantize: amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
         if fast:
             a = host.amax(x)
-            return cast_host(x, host.current_scale(a, FP8_MAX[fp8_dtype], eps, bool(power_2_scale)), fp8_dtype, a)
+            return wrap(cast_host(x, host.current_scale(a, FP8_MAX[fp8_dtype], eps, bool(power_2_scale)),
+                                  fp8_dtype, a))
         s = current_scale(x, FP8_MAX[fp8_dtype], eps, bool(power_2_scale))
     else:
         s = _checked_scale(scale, x.device)
         if fast:
-            return cast_host(x, float(s), fp8_dtype, math.inf)  # amax unknown: always clamp
-    return cast(x, s, fp8_dtype)
+            return wrap(cast_host(x, float(s), fp8_dtype, math.inf))  # amax unknown: always clamp
+    return wrap(cast(x, s, fp8_dtype))

@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from .tensor import Float8Tensor
+from .tensor.storage import Float8TensorStorage
 
 __all__ = ["DistributedRuleError", "RegistrationMismatchError", "apply_pending_updates", "label_states",
            "state_label", "group_ranks", "TensorParallel", "gather_with_grad",
@@ -141,11 +141,12 @@ def gather_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-def all_gather_fp8(q: Float8Tensor, group) -> Float8Tensor:
+def all_gather_fp8(q: Float8TensorStorage, group) -> Float8TensorStorage:
     """All-gather a Float8Tensor along dim 0 as FP8 bytes (uint8 on the wire). Every rank must have cast with the
     same scale; the result carries this rank's `scale_inv`."""
-    data = gather_along_first_dim(q.data.contiguous().view(torch.uint8), group)
-    return Float8Tensor(data.view(q.fp8_dtype), q._scale_inv, q.dtype, q.scale_inv_value)
+    data = gather_along_first_dim(q._data.contiguous().view(torch.uint8), group)
+    return Float8TensorStorage(data=data.view(q.fp8_dtype), fp8_scale_inv=q._scale_inv, fake_dtype=q.dtype,
+                               scale_inv_value=q.scale_inv_value)
 
 
 class _GatherAlongFirstDim(torch.autograd.Function):

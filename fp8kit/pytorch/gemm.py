@@ -5,8 +5,8 @@ float32 and scaling by `a.scale_inv * b.scale_inv`. Three paths, chosen by the d
 
 - CPU tensors: emulated (FP8 values are exact in float32 and bf16; float32 products and sums; scaled once).
 - Any other device (CUDA; `meta` in the tests): `torch._scaled_mm` (cuBLASLt), which wants `a` row-major and `b`
-  column-major, both FP8, and K and N multiples of 16. A Float8Tensor that carries `data_t` (the transposed bytes
-  the fused cast kernels write) gives the column-major operand without a copy; otherwise the operand is copied
+  column-major, both FP8, and K and N multiples of 16. A Float8TensorStorage that carries `_transpose` (the transposed
+  bytes the fused cast kernels write) gives the column-major operand without a copy; otherwise the operand is copied
   into the layout. K and N that are not multiples of 16 are zero-padded (exact: zeros add nothing), which costs a
   copy of the padded operands and of the output; a warning says so once per shape.
 - E5M2 x E5M2 (pure E5M2 recipes; cuBLASLt has no such kernel, and Transformer Engine refuses it): both operands
@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 
 from . import host
-from .tensor import Float8Tensor
+from .tensor.storage import Float8TensorStorage
 
 _ALIGN = 16  # cuBLASLt FP8: K and N multiples of 16
 _warned_shapes: set = set()
@@ -44,29 +44,29 @@ def check_cuda_shape(leading: int, in_features: int, out_features: int) -> list:
 
 
 def gemm(
-    a: Float8Tensor,
-    b: Float8Tensor,
+    a: Float8TensorStorage,
+    b: Float8TensorStorage,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """`(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
-    if a.data.device.type == "cpu":
+    if a._data.device.type == "cpu":
         return _emulated(a, b, out_dtype, bias)
     if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
         return widened_gemm(a, b, out_dtype, bias)
     return scaled_mm(a, b, out_dtype, bias, use_fast_accum)
 
 
-def _check_shapes(a: Float8Tensor, b: Float8Tensor, where: str):
-    if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[0]:
+def _check_shapes(a: Float8TensorStorage, b: Float8TensorStorage, where: str):
+    if a._data.dim() != 2 or b._data.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"{where}: expected a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
-    if a.data.device != b.data.device:
-        raise ValueError(f"{where}: operands on different devices: {a.data.device} and {b.data.device}")
+    if a._data.device != b._data.device:
+        raise ValueError(f"{where}: operands on different devices: {a._data.device} and {b._data.device}")
     return a.shape[0], a.shape[1], b.shape[1]
 
 
-def widened_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype,
+def widened_gemm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dtype,
                  bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The FP8 GEMM on the operands' device by widening both to float32 (exact for every FP8 value, also under
     TF32) and `torch.mm`; the product of the two `scale_inv` (float32) scales the float32 result, then the bias is
@@ -84,12 +84,12 @@ def _is_row_major(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() % _ALIGN == 0
 
 
-def _col_major_source(b: Float8Tensor) -> torch.Tensor:
-    """`b.data.t()` as a contiguous (row-major [N, K]) tensor: `b.data_t` as is, or `b.data` when it is a
+def _col_major_source(b: Float8TensorStorage) -> torch.Tensor:
+    """`b._data.t()` as a contiguous (row-major [N, K]) tensor: `b._transpose` as is, or `b._data` when it is a
     transposed view of one, else a copy."""
-    if b.data_t is not None:
-        return b.data_t
-    bt = b.data.t()
+    if b._transpose is not None:
+        return b._transpose
+    bt = b._data.t()
     return bt if _is_row_major(bt) else bt.contiguous()
 
 
@@ -111,10 +111,10 @@ def _warn_padding(m: int, k: int, n: int, pad_k: int, pad_n: int) -> None:
                   "Sizes that are multiples of 16 avoid it.", stacklevel=3)
 
 
-def scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
-              use_fast_accum: bool = False) -> torch.Tensor:
+def scaled_mm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dtype,
+              bias: Optional[torch.Tensor] = None, use_fast_accum: bool = False) -> torch.Tensor:
     """`a @ b` through `torch._scaled_mm` with per-tensor scales `a.scale_inv`, `b.scale_inv` (device tensors):
-    `a` made row-major and `b` column-major (from `data_t` when present, without a copy), K and N zero-padded to
+    `a` made row-major and `b` column-major (from `_transpose` when present, without a copy), K and N zero-padded to
     multiples of 16 when needed. A bias of `out_dtype` bf16/fp16 goes into the GEMM's epilogue; otherwise the GEMM
     gives float32, the bias is added to it and the sum rounded once to `out_dtype`."""
     m, k, n = _check_shapes(a, b, "scaled_mm")
@@ -123,12 +123,12 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
     # Otherwise a float32 result, so that the bias is added before the one rounding to out_dtype
     mm_dtype = out_dtype if low and (bias is None or use_bias) else torch.float32
     if m == 0 or k == 0 or n == 0:  # nothing to multiply: zeros (+ bias), no cuBLASLt edge cases
-        out = torch.zeros((m, n), dtype=mm_dtype, device=a.data.device)
+        out = torch.zeros((m, n), dtype=mm_dtype, device=a._data.device)
         return (out + bias.to(mm_dtype) if bias is not None else out).to(out_dtype)
     pad_k, pad_n = (-k) % _ALIGN, (-n) % _ALIGN
     if pad_k or pad_n:
         _warn_padding(m, k, n, pad_k, pad_n)
-    mat_a = a.data if _is_row_major(a.data) else a.data.contiguous()
+    mat_a = a._data if _is_row_major(a._data) else a._data.contiguous()
     mat_a = _padded(mat_a, pad_k, 0)
     mat_b = _padded(_col_major_source(b), pad_k, pad_n).t()  # column-major [K', N'], as cuBLASLt FP8 wants
     mm_bias = bias
@@ -152,7 +152,7 @@ def scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
     return out.to(out_dtype)
 
 
-def _emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor]):
+def _emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dtype, bias: Optional[torch.Tensor]):
     """The CPU path (host floats for alpha: CPU tensors only)."""
     if a.scale_inv_value is not None and b.scale_inv_value is not None:  # CPU fast path: no tensor op for alpha
         alpha = host.f32(a.scale_inv_value * b.scale_inv_value)  # the float32 product (exact in float64, rounded)

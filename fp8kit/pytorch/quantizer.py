@@ -1,7 +1,8 @@
 """Quantizers: how one tensor role (input, weight, grad_output) of one module is cast under a recipe.
 
-`quantize(x, transpose=True)` also gives the FP8 bytes of the transpose (`Float8Tensor.data_t`) on accelerators,
-where the dgrad and wgrad GEMMs take a column-major operand from them; `quantize_dbias(dy)` adds the bias gradient.
+`quantize(x, transpose=True)` also gives the FP8 bytes of the transpose (`Float8TensorStorage._transpose`) on
+accelerators, where the dgrad and wgrad GEMMs take a column-major operand from them; `quantize_dbias(dy)` adds the
+bias gradient.
 With the Triton kernels on, both are one pass over the tensor (docs/kernels.md).
 """
 
@@ -15,7 +16,7 @@ import torch
 from . import host, kernels
 from .cast import FP8_MAX, amax, cast, cast_host, current_scale
 from .state import ScalingState
-from .tensor import Float8Tensor
+from .tensor.storage import Float8TensorStorage
 
 
 class DelayedQuantizer:
@@ -27,7 +28,7 @@ class DelayedQuantizer:
         self.state, self.slot, self.fp8_dtype = state, slot, fp8_dtype
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
 
-    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if host.active(x.device):
             a = host.amax(x)
@@ -43,7 +44,8 @@ class DelayedQuantizer:
             data, data_t, _ = kernels.cast_amax(x.detach(), self.state.scale[self.slot], self.fp8_dtype,
                                                 transpose=transpose, amax_out=self.state.amax_history[0, self.slot],
                                                 scale_inv_out=inv)
-            return Float8Tensor(data, inv, x.dtype, data_t=data_t)
+            return Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=x.dtype,
+                                       data_transpose=data_t)
         a = amax(x)
         self.state.record(self.slot, a)
         scale = self.state.scale[self.slot]
@@ -52,14 +54,15 @@ class DelayedQuantizer:
             self.stats.record(x, q, scale, a)
         return with_transpose(q) if transpose else q
 
-    def quantize_dbias(self, dy: torch.Tensor) -> Tuple[Float8Tensor, torch.Tensor]:
+    def quantize_dbias(self, dy: torch.Tensor) -> Tuple[Float8TensorStorage, torch.Tensor]:
         """grad_output: the FP8 tensor (with `data_t` off the CPU) and the bias gradient (dy summed over its leading
         dimensions, in dy's dtype); with the kernels, one pass over dy (`kernels.cast_transpose_dbias`)."""
         if self.stats is None and kernels.use_for(dy):
             data, data_t, inv, dbias = kernels.cast_transpose_dbias(
                 dy.detach(), self.state.scale[self.slot], self.fp8_dtype,
                 amax_out=self.state.amax_history[0, self.slot])
-            return Float8Tensor(data, inv, dy.dtype, data_t=data_t), dbias
+            return Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=dy.dtype,
+                                       data_transpose=data_t), dbias
         return self.quantize(dy, transpose=True), bias_grad(dy)
 
     def observe(self, x: torch.Tensor) -> None:
@@ -76,7 +79,7 @@ class FixedScaleQuantizer:
     def __init__(self, scale, fp8_dtype: torch.dtype):
         self.scale, self.fp8_dtype, self.stats = scale, fp8_dtype, None
 
-    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         if isinstance(self.scale, float):
             return cast_host(x, self.scale, self.fp8_dtype, math.inf)  # amax unknown: always clamp
         q = cast(x, self.scale, self.fp8_dtype)
@@ -95,7 +98,7 @@ class CurrentQuantizer:
         self.fp8_dtype, self.amax_epsilon, self.power_2, self.group = fp8_dtype, amax_epsilon, power_2, group
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
 
-    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if self.group is None and host.active(x.device):
             a = host.amax(x)
@@ -108,7 +111,8 @@ class CurrentQuantizer:
         if kernels.use_for(x):  # an amax pass, then a cast pass that computes the scale itself
             data, data_t, scale, inv, _ = kernels.current_cast(x.detach(), self.fp8_dtype, self.amax_epsilon,
                                                                self.power_2, transpose=transpose, group=self.group)
-            q = Float8Tensor(data, inv, x.dtype, data_t=data_t)
+            q = Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=x.dtype,
+                                    data_transpose=data_t)
             if self.stats is not None:
                 self.stats.record(x, q, scale)
             return q
@@ -118,12 +122,13 @@ class CurrentQuantizer:
             self.stats.record(x, q, scale)
         return with_transpose(q) if transpose else q
 
-    def quantize_dbias(self, dy: torch.Tensor) -> Tuple[Float8Tensor, torch.Tensor]:
+    def quantize_dbias(self, dy: torch.Tensor) -> Tuple[Float8TensorStorage, torch.Tensor]:
         """As `DelayedQuantizer.quantize_dbias` (kernels: `kernels.current_cast_transpose_dbias`)."""
         if kernels.use_for(dy):
             data, data_t, scale, inv, _, dbias = kernels.current_cast_transpose_dbias(
                 dy.detach(), self.fp8_dtype, self.amax_epsilon, self.power_2, group=self.group)
-            q = Float8Tensor(data, inv, dy.dtype, data_t=data_t)
+            q = Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=dy.dtype,
+                                    data_transpose=data_t)
             if self.stats is not None:
                 self.stats.record(dy, q, scale)
             return q, dbias
@@ -133,13 +138,10 @@ class CurrentQuantizer:
         pass
 
 
-def with_transpose(q: Float8Tensor) -> Float8Tensor:
-    """`q` with `data_t` (a copy of the transposed bytes) when it lives off the CPU, where the GEMMs use it; CPU
+def with_transpose(q: Float8TensorStorage) -> Float8TensorStorage:
+    """`q` with `_transpose` (a copy of the transposed bytes) when it lives off the CPU, where the GEMMs use it; CPU
     tensors are returned as they are (the emulated GEMM reads any layout)."""
-    if q.data_t is None and q.data.device.type != "cpu":
-        n = q.data.shape[-1] if q.data.dim() else 1
-        q.data_t = q.data.reshape(-1, n).t().contiguous()
-    return q
+    return q.with_transpose()
 
 
 def bias_grad(dy: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ from typing import Dict, Iterable, List, Optional, Union
 import torch
 
 from .cast import amax
-from .tensor import Float8Tensor
+from .tensor.storage import Float8TensorStorage
 
 __all__ = ["RoleStats", "ModuleStats", "enable_stats", "disable_stats", "stats", "reset_stats", "stats_to_csv",
            "format_stats", "STATS_COLUMNS"]
@@ -66,17 +66,17 @@ class RoleStats:
         self.numel = 0
         self.fp8_dtype: Optional[torch.dtype] = None
 
-    def record(self, x: torch.Tensor, q: Float8Tensor, scale: torch.Tensor,
+    def record(self, x: torch.Tensor, q: Float8TensorStorage, scale: torch.Tensor,
                amax_value: Optional[torch.Tensor] = None) -> None:
         """Account one cast of `x` (high precision) into `q` with the float32 `scale` (one element).
 
         `amax_value` is `amax(x)` when the caller already has it (delayed scaling computes it anyway)."""
-        if self.fp8_dtype is not None and self.fp8_dtype != q.data.dtype:
+        if self.fp8_dtype is not None and self.fp8_dtype != q._data.dtype:
             self.reset()  # the recipe changed the format: counts of different bit patterns do not mix
         if amax_value is None:
             amax_value = amax(x)
         # One pass over the FP8 bytes: a histogram of the 256 bit patterns (cheaper than separate compares).
-        codes = torch.bincount(q.data.reshape(-1).view(torch.uint8), minlength=256)
+        codes = torch.bincount(q._data.reshape(-1).view(torch.uint8), minlength=256)
         if self.codes is None or self.codes.device != codes.device:
             self.amax_value = torch.zeros((), dtype=torch.float32, device=codes.device)
             self.scale_value = torch.ones((), dtype=torch.float32, device=codes.device)
@@ -88,7 +88,7 @@ class RoleStats:
         self.scale_value.copy_(scale.reshape(()))  # a copy now: delayed scaling updates its scale in place later
         self.casts += 1
         self.numel += x.numel()
-        self.fp8_dtype = q.data.dtype
+        self.fp8_dtype = q._data.dtype
 
     def row(self) -> Optional[Dict[str, object]]:
         """A dict with the STATS_COLUMNS other than `module` and `role` (None before the first cast)."""

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..distributed import all_gather_fp8, all_reduce_sum, gather_along_first_dim, reduce_scatter_along_first_dim
 from ..gemm import gemm
-from ..tensor import Float8Tensor
+from ..tensor.storage import Float8TensorStorage
 
 __all__ = ["LinearPlan", "WeightGradStore", "fp8_linear"]
 
@@ -87,7 +87,7 @@ class LinearPlan:
         self.input_q, self.weight_q, self.grad_q = input_q, weight_q, grad_q
         self.fp8 = fp8
         self.calibrate = calibrate
-        self.weight_fp8: Optional[Float8Tensor] = weight_fp8
+        self.weight_fp8: Optional[Float8TensorStorage] = weight_fp8
         self.step, self.track_backward = step, track_backward
         self.tp = tp
         self.fast_accum = (True, False, False)
@@ -104,14 +104,19 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _LinearFunction.apply(x, weight, bias, plan)
 
 
-def _backward_layout(q: Float8Tensor) -> torch.Tensor:
+def _backward_layout(q: Float8TensorStorage) -> torch.Tensor:
     """The bytes to save of an FP8 operand: its transpose seen as a column-major view when the cast wrote one (what
     the dgrad / wgrad GEMM reads without a copy), else its row-major data."""
-    return q.data_t.t() if q.data_t is not None else q.data
+    return q._transpose.t() if q._transpose is not None else q._data
+
+
+def _stored(data, inv, inv_value) -> Float8TensorStorage:
+    """A saved FP8 operand back as a storage (its nominal dtype does not matter to the GEMMs)."""
+    return Float8TensorStorage(data=data, fp8_scale_inv=inv, scale_inv_value=inv_value)
 
 
 def _dequantized(saved, inv, inv_value, dtype):
-    return Float8Tensor(saved, inv, dtype, inv_value).dequantize(dtype)
+    return _stored(saved, inv, inv_value).dequantize(dtype=dtype)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -140,7 +145,7 @@ class _LinearFunction(torch.autograd.Function):
             w_fp8 = plan.weight_fp8
         fused_bias = None if row else bias  # row parallel: the bias is added once, after the reduction
         if fprop:
-            y = gemm(x_fp8, w_fp8.t(), x.dtype, fused_bias, use_fast_accum=plan.fast_accum[0])
+            y = gemm(x_fp8, w_fp8.transposed(), x.dtype, fused_bias, use_fast_accum=plan.fast_accum[0])
         else:
             y = F.linear(x, weight, fused_bias)
         if row:
@@ -195,7 +200,7 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if dgrad:
-                dx = gemm(dy_fp8, Float8Tensor(w_saved, w_inv, None, ctx.inv_values[1]), x_dtype,
+                dx = gemm(dy_fp8, _stored(w_saved, w_inv, ctx.inv_values[1]), x_dtype,
                           use_fast_accum=plan.fast_accum[1])
             else:
                 w = _dequantized(w_saved, w_inv, ctx.inv_values[1], dy.dtype) if w_as_fp8 else w_saved
@@ -205,7 +210,7 @@ class _LinearFunction(torch.autograd.Function):
                     else all_reduce_sum(dx, tp.group)
         if ctx.needs_input_grad[1]:
             if x_as_fp8:
-                x_operand = Float8Tensor(x_saved, x_inv, None, ctx.inv_values[0])
+                x_operand = _stored(x_saved, x_inv, ctx.inv_values[0])
             elif wgrad:  # save_original_input: cast the original input again (current scaling repeats its bytes)
                 x_operand = plan.input_q.quantize(x_saved)
             else:
@@ -228,9 +233,9 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
 
     def compute() -> torch.Tensor:
         if fp8:
-            return gemm(dy.t(), x, out_dtype, use_fast_accum=plan.fast_accum[2])
-        if isinstance(x, Float8Tensor):  # backward_override="dequantized"
-            x_hp = x.dequantize(dy.dtype)
+            return gemm(dy.transposed(), x, out_dtype, use_fast_accum=plan.fast_accum[2])
+        if isinstance(x, Float8TensorStorage):  # backward_override="dequantized"
+            x_hp = x.dequantize(dtype=dy.dtype)
         else:
             x_hp = x
         return (dy.t() @ x_hp).to(out_dtype)

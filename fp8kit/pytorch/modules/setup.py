@@ -11,7 +11,7 @@ import torch
 
 from ...recipe import DelayedScaling
 from ..distributed import TensorParallel, tensor_parallel
-from ..tensor import Float8Tensor
+from ..tensor.storage import Float8TensorStorage
 from .base import FP8Call
 from .linear_function import LinearPlan
 
@@ -166,10 +166,10 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
 
 
 def _cached_weight(module, gemm: int, is_first_microbatch, enabled: bool, fp8_dtype,
-                   weight) -> Optional[Float8Tensor]:
+                   weight) -> Optional[Float8TensorStorage]:
     cache = module.fp8_weight_cache.get(gemm)
     if is_first_microbatch is False and enabled and cache is not None and cache.fp8_dtype == fp8_dtype \
-            and weight is not None and cache.data.device == weight.device:
+            and weight is not None and cache.device == weight.device:
         return cache
     return None
 

@@ -1,0 +1,8 @@
+"""FP8 tensors: `Float8Tensor` (a torch.Tensor subclass) and `Float8TensorStorage` (the same data as a plain object,
+what the GEMMs pass around), and Transformer Engine's per-tensor quantizers. `fp8kit.pytorch.tensor.float8_tensor` is
+`transformer_engine.pytorch.tensor.float8_tensor`."""
+
+from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .storage import FP8_DTYPES, Float8TensorStorage
+
+__all__ = ["Float8Tensor", "Float8TensorStorage", "Float8Quantizer", "Float8CurrentScalingQuantizer", "FP8_DTYPES"]

@@ -1,0 +1,376 @@
+"""Float8Tensor (a torch.Tensor) and Transformer Engine's per-tensor quantizers, `Float8Quantizer` (a given scale, amax
+recorded: delayed scaling) and `Float8CurrentScalingQuantizer` (the scale from the tensor's own amax).
+
+A Float8Tensor has the nominal dtype, shape and device of the values it stands for; `_data` holds the FP8 bytes,
+`_scale_inv` (float32 `[1]`) maps them back. Views, reshapes, transposes, `contiguous`, `clone`, `detach`, device moves
+(`to`, `cpu`, `cuda`), `chunk` / `split` and `cat` (of tensors with one scale) stay FP8, since moving bytes is exact;
+`copy_` into a Float8Tensor quantizes with its quantizer (or its scale); every other operation dequantizes to the
+nominal dtype and runs in high precision, and an in-place one quantizes its result back. `torch.save` /
+`torch.load(weights_only=True)`, deepcopy, `torch.testing.assert_close` (on dequantized values) and autograd work.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Union
+
+import torch
+from torch._subclasses.fake_tensor import is_fake
+
+from .. import cast as casts  # a module reference: cast.py imports this package's storage
+from .. import host
+from ..constants import DType, fp8_torch_dtype
+from ..quantized_tensor import QuantizedTensor, Quantizer, run_dequantized
+from .storage import Float8TensorStorage
+
+__all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "make_float8_tensor", "wrap"]
+
+aten = torch.ops.aten
+
+
+class Float8Tensor(Float8TensorStorage, QuantizedTensor):
+    """An FP8 tensor with one float32 scale: `values ~= float32(_data) * _scale_inv` (see the module docstring).
+
+    Float8Tensor(shape=None, dtype=None, *, data, fp8_scale_inv, fp8_dtype=None, data_transpose=None, quantizer=None,
+    requires_grad=False): `data` a float8_e4m3fn / float8_e5m2 tensor, `fp8_scale_inv` float32 with one element,
+    `dtype` the nominal dtype (default float32), `shape` the data's.
+    """
+
+    shape = torch.Tensor.shape
+    device = torch.Tensor.device
+    dequantize = QuantizedTensor.dequantize
+
+    def __new__(cls, shape=None, dtype: Optional[torch.dtype] = None, *, data: torch.Tensor,
+                fp8_scale_inv: torch.Tensor, fp8_dtype=None, data_transpose: Optional[torch.Tensor] = None,
+                quantizer: Optional[Quantizer] = None, requires_grad: bool = False, fake_dtype=None, device=None):
+        if not isinstance(data, torch.Tensor):
+            raise TypeError(f"Float8Tensor: data must be a tensor, got {type(data).__name__}")
+        dtype = dtype or fake_dtype or torch.float32
+        shape = tuple(data.shape) if shape is None else tuple(shape)
+        if shape != tuple(data.shape):
+            raise ValueError(f"Float8Tensor: shape {shape} differs from the data's {tuple(data.shape)}")
+        instance = QuantizedTensor.__new__(cls, shape, dtype, requires_grad=requires_grad, device=data.device,
+                                           stride=data.stride())
+        instance._set_fields(data, fp8_scale_inv, fp8_dtype, dtype, data_transpose, quantizer, None)
+        return instance
+
+    def __init__(self, *args, **kwargs):  # everything happened in __new__
+        pass
+
+    # ---- values ----
+
+    def dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
+        return Float8TensorStorage.dequantize_impl(self, dtype)
+
+    def quantize_(self, tensor: torch.Tensor) -> "Float8Tensor":
+        """Quantize `tensor` into this tensor (its bytes and scale_inv), with its quantizer, or else with the scale
+        `float32(1 / scale_inv)`."""
+        quantizer = self._quantizer
+        if quantizer is None:
+            quantizer = Float8Quantizer(torch.reciprocal(self.scale_inv.detach()), torch.zeros(1, device=self.device),
+                                        self._fp8_dtype)
+        quantizer.update_quantized(tensor.detach(), self)
+        return self
+
+    def storage_view(self) -> Float8TensorStorage:
+        """The same bytes as a plain storage (what the GEMMs take)."""
+        return Float8TensorStorage(data=self._data, fp8_scale_inv=self.scale_inv, fake_dtype=self.dtype,
+                                   data_transpose=self._transpose, quantizer=self._quantizer)
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        head = f"Float8Tensor(fp8_dtype={self._fp8_dtype.name}, shape={tuple(self.shape)}, dtype={self.dtype}"
+        if torch.compiler.is_compiling() or is_fake(self._data):
+            return head + ")"  # traced: no values to show
+        return head + f", scale_inv={float(self.scale_inv.reshape(())):.6g}, data={self.dequantize_impl(self.dtype)})"
+
+    # ---- serialisation and torch.compile ----
+
+    def __reduce_ex__(self, protocol):
+        return make_float8_tensor, (self._data, self.scale_inv, self.dtype, self.requires_grad)
+
+    def __tensor_flatten__(self):
+        names = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
+        return names, (self.dtype,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        (dtype,) = meta
+        return Float8Tensor(dtype=dtype, data=inner["_data"], fp8_scale_inv=inner["_scale_inv"],
+                            data_transpose=inner.get("_transpose"))
+
+    # ---- operations ----
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return run_dequantized(func, args, kwargs)
+
+
+def make_float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
+                       requires_grad: bool = False) -> Float8Tensor:
+    """Rebuild a pickled Float8Tensor (allowed by `torch.load(weights_only=True)`)."""
+    return Float8Tensor(dtype=dtype, data=data, fp8_scale_inv=scale_inv, requires_grad=requires_grad)
+
+
+def wrap(q: Float8TensorStorage, quantizer: Optional[Quantizer] = None) -> Float8Tensor:
+    """A storage as a Float8Tensor (the same bytes)."""
+    return Float8Tensor(dtype=q.dtype, data=q._data, fp8_scale_inv=q.scale_inv, data_transpose=q._transpose,
+                        quantizer=quantizer)
+
+
+def _like(t: Float8Tensor, data: torch.Tensor, scale_inv=None, transpose=None) -> Float8Tensor:
+    return Float8Tensor(dtype=t.dtype, data=data, fp8_scale_inv=t.scale_inv if scale_inv is None else scale_inv,
+                        data_transpose=transpose, quantizer=t._quantizer)
+
+
+def _detach(t, *a, **k):
+    return _like(t, t._data, transpose=t._transpose) if not a and not k else NotImplemented
+
+
+def _clone(t, *, memory_format=None):
+    if memory_format in (None, torch.preserve_format, torch.contiguous_format):
+        data = t._data.contiguous() if memory_format is torch.contiguous_format else t._data.clone()
+        if data is t._data:
+            data = data.clone()
+        return _like(t, data, t.scale_inv.clone(), None if t._transpose is None else t._transpose.clone())
+    return NotImplemented
+
+
+def _view(t, size):
+    return _like(t, t._data.view(size))
+
+
+def _reshaped(op):
+    return lambda t, *a, **k: _like(t, getattr(t._data, op)(*a, **k))
+
+
+def _split(t, split_size, dim=0):
+    return [_like(t, d) for d in t._data.split(split_size, dim)]
+
+
+def _cat(tensors, dim=0):
+    if not all(isinstance(x, Float8Tensor) for x in tensors):
+        return NotImplemented
+    first = tensors[0]
+    same = all(x._data.dtype == first._data.dtype and x.dtype == first.dtype and x.device == first.device
+               and torch.equal(x.scale_inv, first.scale_inv) for x in tensors)
+    if not same:
+        return NotImplemented  # different scales: concatenate the values in high precision
+    return _like(first, torch.cat([x._data for x in tensors], dim))
+
+
+def _to_copy(t, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    if dtype is not None and dtype != t.dtype:
+        return NotImplemented  # another dtype: the values, converted
+    data = t._data.to(device=device or t.device, non_blocking=non_blocking)
+    return _like(t, data, t.scale_inv.to(device=data.device, non_blocking=non_blocking),
+                 None if t._transpose is None else t._transpose.to(device=data.device, non_blocking=non_blocking))
+
+
+def _copy_(dst, src, non_blocking=False):
+    if not isinstance(dst, Float8Tensor):
+        return NotImplemented  # dst plain: it takes src's values
+    if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
+        dst._data.copy_(src._data, non_blocking=non_blocking)  # the same format: bytes and scale move exactly
+        dst._scale_inv.copy_(src.scale_inv, non_blocking=non_blocking)
+        dst._transpose = None if src._transpose is None else src._transpose.clone()
+        return dst
+    values = src.dequantize_impl(src.dtype) if isinstance(src, Float8Tensor) else src
+    return dst.quantize_(values.to(device=dst.device))
+
+
+_HANDLERS = {
+    aten.detach.default: _detach,
+    aten.clone.default: _clone,
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
+    aten.t.default: _reshaped("t"),
+    aten.transpose.int: _reshaped("transpose"),
+    aten.permute.default: _reshaped("permute"),
+    aten.slice.Tensor: lambda t, dim=0, start=None, end=None, step=1: _like(t, aten.slice.Tensor(t._data, dim, start,
+                                                                                                  end, step)),
+    aten.select.int: lambda t, dim, index: _like(t, t._data.select(dim, index)),
+    aten.split.Tensor: _split,
+    aten.split_with_sizes.default: lambda t, sizes, dim=0: [_like(t, d) for d in t._data.split(list(sizes), dim)],
+    aten.cat.default: _cat,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+}
+
+
+# ---- quantizers -------------------------------------------------------------------------------------------------
+
+def _check(tensor: torch.Tensor, where: str) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() \
+            or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise TypeError(f"{where}: expected a float32/bfloat16/float16 tensor, got "
+                        f"{getattr(tensor, 'dtype', type(tensor))}")
+    if isinstance(tensor, QuantizedTensor):
+        tensor = tensor.dequantize_impl(tensor.dtype)
+    return tensor.detach()
+
+
+class _PerTensorQuantizer(Quantizer):
+    """What both per-tensor quantizers share: the format, the output (Float8Tensor, or storage when internal), the
+    transposed bytes for column-wise use off the CPU, in-place updates and empty tensors."""
+
+    def __init__(self, fp8_dtype, rowwise: bool, columnwise: bool):
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.dtype = DType.cast(fp8_torch_dtype(fp8_dtype))  # Transformer Engine keeps a DType
+
+    @property
+    def fp8_torch_dtype(self) -> torch.dtype:
+        return fp8_torch_dtype(self.dtype)
+
+    def _finish(self, q: Float8TensorStorage):
+        if self.columnwise_usage:
+            q.with_transpose()
+        q._quantizer = self
+        return q if self.internal else wrap(q, self)
+
+    def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: Optional[torch.Tensor] = None):
+        if not isinstance(dst, Float8TensorStorage):
+            raise TypeError(f"{type(self).__name__}.update_quantized: dst must be a Float8Tensor, got "
+                            f"{type(dst).__name__}")
+        if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
+            return dst
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{type(self).__name__}.update_quantized: src shape {tuple(src.shape)} differs from "
+                             f"dst {tuple(dst.shape)}")
+        q = self._cast(_check(src, type(self).__name__).to(device=dst.device))
+        if dst._data.dtype != q._data.dtype:
+            raise TypeError(f"{type(self).__name__}.update_quantized: dst holds {dst._data.dtype}, the quantizer "
+                            f"makes {q._data.dtype}")
+        with torch.no_grad():
+            dst._data.copy_(q._data)
+            if dst._scale_inv is None:
+                dst._scale_inv = q.scale_inv.clone()
+            else:
+                dst._scale_inv.copy_(q.scale_inv)
+        dst._scale_inv_value = None
+        dst._values = None
+        dst._transpose = None
+        if self.columnwise_usage:
+            dst.with_transpose()
+        return dst
+
+    def quantize_impl(self, tensor: torch.Tensor):
+        return self._finish(self._cast(_check(tensor, type(self).__name__)))
+
+    def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
+                   requires_grad: bool = False, pin_memory: bool = False):
+        data = torch.empty(tuple(shape), dtype=self.fp8_torch_dtype, device=device, pin_memory=pin_memory)
+        q = Float8TensorStorage(data=data, fp8_scale_inv=torch.ones(1, device=data.device), fake_dtype=dtype)
+        out = self._finish(q)
+        if requires_grad and not self.internal:
+            out.requires_grad_(True)
+        return out
+
+
+class Float8Quantizer(_PerTensorQuantizer):
+    """Casts with a given scale and max-accumulates the tensor's amax into `amax` (delayed scaling).
+
+    Float8Quantizer(scale, amax, fp8_dtype, *, rowwise=True, columnwise=True): `scale` a float32 tensor with one
+    element (finite, > 0), `amax` a float32 tensor with one element (updated in place, NaN ignored), `fp8_dtype` a
+    `DType` (kFloat8E4M3 / kFloat8E5M2) or a torch float8 dtype."""
+
+    def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype, *, rowwise: bool = True,
+                 columnwise: bool = True):
+        super().__init__(fp8_dtype, rowwise, columnwise)
+        for name, t in (("scale", scale), ("amax", amax)):
+            if not isinstance(t, torch.Tensor) or t.dtype != torch.float32 or t.numel() != 1:
+                raise TypeError(f"Float8Quantizer: {name} must be a float32 tensor with one element, got "
+                                f"{getattr(t, 'dtype', type(t))} of shape {tuple(getattr(t, 'shape', ()))}")
+        self._scale, self._amax = scale, amax
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self._scale
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self._amax
+
+    def _cast(self, x: torch.Tensor) -> Float8TensorStorage:
+        fp8 = self.fp8_torch_dtype
+        scale, stage = self.scale, self.amax
+        if host.active(x.device) and scale.device.type == "cpu" and stage.device.type == "cpu":
+            a = host.amax(x)
+            s = float(scale.reshape(()))
+            if a == a and not a <= float(stage.reshape(())):
+                stage.fill_(a)
+            return casts.cast_host(x, s, fp8, a)
+        a = casts.amax(x)
+        with torch.no_grad():
+            stage.copy_(torch.fmax(stage.reshape(()), a).reshape(stage.shape))
+        return casts.cast(x, scale.reshape(()).to(x.device), fp8)
+
+    def calibrate(self, tensor: torch.Tensor) -> None:
+        a = casts.amax(_check(tensor, "Float8Quantizer.calibrate"))
+        with torch.no_grad():
+            self.amax.copy_(torch.fmax(self.amax.reshape(()), a).reshape(self.amax.shape))
+
+    def copy(self) -> "Float8Quantizer":
+        out = Float8Quantizer(self.scale, self.amax, self.dtype, rowwise=self.rowwise_usage,
+                              columnwise=self.columnwise_usage)
+        out.internal = self.internal
+        return out
+
+
+class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
+    """Casts with `fp8_max / max(amax(x), amax_epsilon)` (current scaling), the amax all-reduced (MAX) over
+    `amax_reduction_group` when `with_amax_reduction`.
+
+    Float8CurrentScalingQuantizer(fp8_dtype, device=None, *, rowwise=True, columnwise=True, use_existing_amax=False,
+    with_amax_reduction=False, amax_reduction_group=None, force_pow_2_scales=False, amax_epsilon=0.0, scale=None,
+    amax=None): Transformer Engine's signature; `device`, `use_existing_amax`, `scale` and `amax` are accepted and
+    unused, as in Transformer Engine."""
+
+    def __init__(self, fp8_dtype, device=None, *, rowwise: bool = True, columnwise: bool = True,
+                 use_existing_amax: bool = False, with_amax_reduction: bool = False, amax_reduction_group=None,
+                 force_pow_2_scales: bool = False, amax_epsilon: float = 0.0, scale=None, amax=None):
+        super().__init__(fp8_dtype, rowwise, columnwise)
+        eps = float(amax_epsilon)
+        if not (eps >= 0 and math.isfinite(eps)):
+            raise ValueError(f"Float8CurrentScalingQuantizer: amax_epsilon must be finite and >= 0, got "
+                             f"{amax_epsilon!r}")
+        if with_amax_reduction and amax_reduction_group is None:
+            raise ValueError("Float8CurrentScalingQuantizer: with_amax_reduction=True needs an amax_reduction_group")
+        self.with_amax_reduction = bool(with_amax_reduction)
+        self.amax_reduction_group = amax_reduction_group
+        self.force_pow_2_scales = bool(force_pow_2_scales)
+        self.amax_epsilon = eps
+
+    def _cast(self, x: torch.Tensor) -> Float8TensorStorage:
+        fp8 = self.fp8_torch_dtype
+        group = self.amax_reduction_group if self.with_amax_reduction else None
+        if group is None and host.active(x.device):
+            a = host.amax(x)
+            return casts.cast_host(
+                x, host.current_scale(a, casts.FP8_MAX[fp8], self.amax_epsilon, self.force_pow_2_scales), fp8, a)
+        s = casts.current_scale(x, casts.FP8_MAX[fp8], self.amax_epsilon, self.force_pow_2_scales, group)
+        return casts.cast(x, s, fp8)
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["amax_reduction_group"] = None  # a process group is not picklable
+        state["with_amax_reduction"] = False
+        return state
+
+    def copy(self) -> "Float8CurrentScalingQuantizer":
+        out = Float8CurrentScalingQuantizer(
+            self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
+            with_amax_reduction=self.with_amax_reduction, amax_reduction_group=self.amax_reduction_group,
+            force_pow_2_scales=self.force_pow_2_scales, amax_epsilon=self.amax_epsilon)
+        out.internal = self.internal
+        return out
+
+
+def as_storage(t: Union[Float8TensorStorage, torch.Tensor]) -> Float8TensorStorage:
+    """A Float8Tensor's bytes as a plain storage for the GEMMs (storages pass through)."""
+    return t.storage_view() if isinstance(t, Float8Tensor) else t

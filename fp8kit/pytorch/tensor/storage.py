@@ -1,0 +1,193 @@
+"""Float8TensorStorage: FP8 bytes plus the float32 scale_inv that maps them back to real values, as a plain object.
+
+This is what fp8kit's GEMMs and autograd Functions pass around (cheap to create: no torch.Tensor subclass), as
+Transformer Engine's internal storages are; `fp8kit.pytorch.tensor.Float8Tensor` is the same data as a torch.Tensor
+subclass for users. Field names follow Transformer Engine (`_data`, `_scale_inv`, `_fp8_dtype`, `_transpose`).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from ..constants import DType, te_dtype
+from ..quantized_tensor import QuantizedTensorStorage
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+__all__ = ["Float8TensorStorage", "FP8_DTYPES", "widen"]
+
+
+class Float8TensorStorage(QuantizedTensorStorage):
+    """A quantized tensor: `real ~= float32(_data) * _scale_inv`.
+
+    Fields:
+      _data: the FP8 values, dtype `torch.float8_e4m3fn` or `torch.float8_e5m2`, any shape (the nominal shape).
+      _scale_inv: float32 tensor of shape `[1]`, `float32(1 / scale)` taken at cast time (made lazily from
+        `_scale_inv_value` on the CPU fast path).
+      _fp8_dtype: the format as a `DType` (kFloat8E4M3 or kFloat8E5M2).
+      _dtype: the nominal high-precision dtype the tensor stands for (what `dequantize()` returns by default).
+      _transpose: None, or the FP8 bytes of the transpose, contiguous: `_data.reshape(-1, n).t()` laid out row-major,
+        as the fused cast+transpose kernels write it. The GEMM takes a column-major operand from it.
+      _quantizer: the quantizer that made it (in-place updates and `copy_` use it), or None.
+    """
+
+    def __init__(self, *, data: torch.Tensor, fp8_scale_inv: Optional[torch.Tensor] = None, fp8_dtype=None,
+                 fake_dtype: Optional[torch.dtype] = None, data_transpose: Optional[torch.Tensor] = None,
+                 quantizer=None, scale_inv_value: Optional[float] = None):
+        self._set_fields(data, fp8_scale_inv, fp8_dtype, fake_dtype, data_transpose, quantizer, scale_inv_value)
+
+    def _set_fields(self, data, fp8_scale_inv, fp8_dtype, fake_dtype, data_transpose, quantizer,
+                    scale_inv_value) -> None:
+        if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES:
+            raise TypeError(f"Float8Tensor data must be a float8_e4m3fn or float8_e5m2 tensor, got "
+                            f"{getattr(data, 'dtype', type(data))}")
+        if fp8_dtype is not None and DType.cast(fp8_dtype) != te_dtype(data.dtype):
+            raise TypeError(f"Float8Tensor fp8_dtype {fp8_dtype!r} does not match the data's {data.dtype}")
+        if data_transpose is not None:
+            n = data.shape[-1] if data.dim() else 1
+            want = (n, data.numel() // n if n else 0)
+            if data_transpose.dtype != data.dtype or tuple(data_transpose.shape) != want \
+                    or not data_transpose.is_contiguous() or data_transpose.device != data.device:
+                raise ValueError(
+                    f"Float8Tensor data_transpose must be a contiguous {data.dtype} tensor of shape {want} on "
+                    f"{data.device} (the transpose of data {tuple(data.shape)}), got {data_transpose.dtype} "
+                    f"{tuple(data_transpose.shape)} contiguous={data_transpose.is_contiguous()} on "
+                    f"{data_transpose.device}")
+        if fp8_scale_inv is None:
+            if scale_inv_value is None:
+                raise TypeError("Float8Tensor needs fp8_scale_inv (a float32 tensor) or scale_inv_value (a float)")
+        elif not isinstance(fp8_scale_inv, torch.Tensor) or fp8_scale_inv.dtype != torch.float32 \
+                or fp8_scale_inv.numel() != 1:
+            raise TypeError(
+                f"Float8Tensor fp8_scale_inv must be one float32 element, got {getattr(fp8_scale_inv, 'dtype', None)} "
+                f"of shape {tuple(getattr(fp8_scale_inv, 'shape', ()))}")
+        self._data = data
+        self._scale_inv = fp8_scale_inv if fp8_scale_inv is None or fp8_scale_inv.dim() == 1 \
+            else fp8_scale_inv.reshape(1)
+        self._fp8_dtype = te_dtype(data.dtype)
+        self._dtype = fake_dtype if fake_dtype is not None else torch.float32
+        self._transpose = data_transpose
+        self._quantizer = quantizer
+        self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
+        # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
+        self._scale_inv_value = scale_inv_value
+
+    # ---- reading ----
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        """float32 `[1]`, `float32(1 / scale)`."""
+        if self._scale_inv is None:  # made by the CPU fast path from the float
+            self._scale_inv = torch.full((1,), self._scale_inv_value, dtype=torch.float32, device=self._data.device)
+        return self._scale_inv
+
+    @property
+    def scale_inv_value(self) -> Optional[float]:
+        """`scale_inv` as a Python float when the CPU fast path made it (no device read), else None."""
+        return self._scale_inv_value
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The torch float8 dtype of the data."""
+        return self._data.dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The nominal high-precision dtype."""
+        return self._dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self._data.device
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """`float32(data) * scale_inv`, converted to `dtype` (default: the nominal dtype)."""
+        return self.dequantize_impl(self._dtype if dtype is None else dtype)
+
+    def dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
+        return (widen(self._data, torch.float32) * self.scale_inv.reshape(())).to(dtype)
+
+    def values(self, dtype: torch.dtype) -> torch.Tensor:
+        """The unscaled FP8 values as `dtype` (exact for bf16, fp16 and fp32), converted once and kept, so that a
+        tensor used by two GEMMs (grad_output in dgrad and wgrad) is converted once."""
+        cached = self._values
+        if cached is None or cached.dtype != dtype:
+            cached = self._values = widen(self._data, dtype)
+        return cached
+
+    def transposed(self) -> "Float8TensorStorage":
+        """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared.
+        With `_transpose` the two layouts swap roles (no copy)."""
+        data = self._data
+        if self._transpose is not None and data.dim() == 2:
+            keep = data if data.is_contiguous() else None
+            out = Float8TensorStorage(data=self._transpose, fp8_scale_inv=self._scale_inv, fake_dtype=self._dtype,
+                                      data_transpose=keep, scale_inv_value=self._scale_inv_value)
+        else:
+            out = Float8TensorStorage(data=data.t(), fp8_scale_inv=self._scale_inv, fake_dtype=self._dtype,
+                                      scale_inv_value=self._scale_inv_value)
+        if self._values is not None:
+            out._values = self._values.t()
+        return out
+
+    def with_transpose(self) -> "Float8TensorStorage":
+        """Self with `_transpose` made (a copy of the transposed bytes) when it lives off the CPU, where the GEMMs
+        read it; CPU tensors are returned as they are (the emulated GEMM reads any layout)."""
+        if self._transpose is None and self._data.device.type != "cpu":
+            n = self._data.shape[-1] if self._data.dim() else 1
+            self._transpose = self._data.reshape(-1, n).t().contiguous()
+        return self
+
+    # ---- autograd saving (Transformer Engine's protocol) ----
+
+    def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], "Float8TensorStorage"]:
+        """(the tensors to hand to `ctx.save_for_backward`, the object that `restore_from_saved` fills)."""
+        tensors = [self._data, self._transpose, self.scale_inv]
+        self._data = self._transpose = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        """Take back the tensors `prepare_for_saving` gave; returns the rest of the list."""
+        self._data, self._transpose, self._scale_inv = tensors[0], tensors[1], tensors[2]
+        return tensors[3:]
+
+    def __repr__(self) -> str:
+        inv = self._scale_inv_value if self._scale_inv is None else float(self._scale_inv.reshape(()))
+        return (f"Float8TensorStorage(shape={tuple(self._data.shape)}, fp8_dtype={self._fp8_dtype.name}, "
+                f"scale_inv={inv:.6g}, dtype={self._dtype})")
+
+
+# Large CPU tensors widen by bit manipulation: torch's FP8 conversion is a per-element loop, about ten times slower
+# than these four vectorised passes. The FP8 byte goes into the high half of an int16 and is shifted right
+# (arithmetically) so that its exponent and mantissa fields land on bf16's, the sign is kept by the mask, and a
+# multiplication by 2**(127 - bias) fixes the exponent bias (exact, FP8 subnormals included). NaN/inf codes would
+# come out as finite numbers, so tensors holding any take torch's conversion.
+_BY_BITS = {  # fp8 dtype: (right shift, int16 mask, multiplier, smallest |code| that is NaN or inf)
+    torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0 ** 120, 0x7F),
+    torch.float8_e5m2: (3, 0x8FE0 - 0x10000, 2.0 ** 112, 0x7C),
+}
+WIDEN_BY_BITS_MIN_NUMEL = 1 << 16
+_SUBNORMAL = torch.tensor(2.0 ** -140, dtype=torch.float32)
+
+
+def widen(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`data.to(dtype)`, faster for large CPU tensors and bf16 or float32 results."""
+    if data.device.type == "cpu" and data.numel() >= WIDEN_BY_BITS_MIN_NUMEL \
+            and dtype in (torch.bfloat16, torch.float32):
+        shift, mask, multiplier, special = _BY_BITS[data.dtype]
+        codes = data.view(torch.uint8)
+        # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)
+        if int((codes & 0x7F).max()) < special and float(_SUBNORMAL * 1.0) != 0:
+            # float32 has bf16's exponent field: the same in an int32, 16 bits further up
+            wide = dtype == torch.float32
+            bits = codes.to(torch.int32 if wide else torch.int16)
+            bits.bitwise_left_shift_(24 if wide else 8).bitwise_right_shift_(shift)
+            bits.bitwise_and_(mask * 0x10000 if wide else mask)
+            return bits.view(dtype).mul_(multiplier)
+    return data.to(dtype)
