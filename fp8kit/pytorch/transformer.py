@@ -156,6 +156,14 @@ class TransformerLayer(torch.nn.Module):
             seq_length=seq_length, micro_batch_size=micro_batch_size, set_parallel_mode=set_parallel_mode,
             zero_centered_gamma=zero_centered_gamma, activation=activation, activation_params=activation_params,
             normalization=normalization, device=device, name=f"{name}.layernorm_mlp" if name else None, **ub)
+        if self.sequence_parallel and not self.parallel_attention_mlp:
+            # the returned biases are added here, to this rank's tokens: partial gradients, summed like the norms'
+            returned = [self.self_attention.proj.bias, self.layernorm_mlp.fc2_bias]
+            if layer_type == "decoder":
+                returned.append(self.inter_attention.proj.bias)
+            for bias_param in returned:
+                if bias_param is not None:
+                    bias_param.sequence_parallel = True
         self.drop_path = DropPath(drop_path_rate) if drop_path_rate > 0.0 else None
         if self.output_layernorm:
             norm = {"LayerNorm": LayerNorm, "RMSNorm": RMSNorm}[normalization]
