@@ -113,8 +113,8 @@ def test_calibration_records_without_fp8():
 
 
 def test_registry_keys_distinguish_every_field_and_group_modules():
-    r1 = DelayedScaling(amax_history_len=4)
-    r2 = DelayedScaling(amax_history_len=4, margin=1)
+    r1 = DelayedScaling(amax_history_len=4, margin=13)  # recipes no other test uses: registries of their own
+    r2 = DelayedScaling(amax_history_len=4, margin=1.5)
     a, b, c = te.Linear(8, 8), te.Linear(8, 8), te.Linear(8, 8)
     x = torch.randn(2, 8)
     with te.autocast(recipe=r1):
@@ -127,7 +127,8 @@ def test_registry_keys_distinguish_every_field_and_group_modules():
     assert fwd1 == [a.fp8_meta["scaling_fwd"], b.fp8_meta["scaling_fwd"]]
     assert bwd1 == [a.fp8_meta["scaling_bwd"], b.fp8_meta["scaling_bwd"]]
     assert fwd2 == [c.fp8_meta["scaling_fwd"]]
-    assert c.fp8_meta["scaling_fwd"].scale[0] == np.float32(224) / ref.amax(np32(x))  # margin 1 applied
+    want = np.float32(np.float32(448) * np.float32(2 ** -1.5)) / ref.amax(np32(x))  # margin 1.5 applied
+    assert c.fp8_meta["scaling_fwd"].scale[0] == want
     # moving a module to another recipe re-registers it there
     with te.autocast(recipe=r2):
         a(x)

@@ -6,12 +6,29 @@ import torch
 from . import attention, distributed
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
+from .availability import (
+    get_default_recipe,
+    get_device_compute_capability,
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
 from .cast import quantize
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
+from .fp8_weights import fp8_model_init, quantized_model_init
 from .modules import LayerNorm, LayerNormLinear, Linear, RMSNorm
-from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, prepare_for_saving, restore_from_saved
+from .quantized_tensor import (
+    QuantizedTensor,
+    QuantizedTensorStorage,
+    Quantizer,
+    prepare_for_saving,
+    restore_from_func_ctx,
+    restore_from_saved,
+)
 from .rng import CudaRNGStatesTracker
 from .stats import disable_stats, enable_stats, format_stats, reset_stats, stats, stats_to_csv
 from .tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage
@@ -22,9 +39,13 @@ torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "Float8Tensor", "convert_model", "distributed",
-           "checkpoint", "CudaRNGStatesTracker", "DType", "Float8TensorStorage", "Float8Quantizer",
+           "checkpoint", "CudaRNGStatesTracker", "DType", "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
-           "prepare_for_saving", "restore_from_saved",
+           "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",
+           "fp8_model_init",
            "attention", "DotProductAttention", "MultiheadAttention", "InferenceParams", "RotaryPositionEmbedding",
            "TransformerLayer",
-           "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats"]
+           "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats",
+           # Transformer Engine's availability queries (availability.py)
+           "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
+           "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional, Tuple
 
@@ -42,19 +43,30 @@ class _Step:
     """One outermost autocast scope: the keys it touched and the FP8 backwards still to run."""
 
     def __init__(self):
-        self.forward_keys: Dict[tuple, None] = {}
-        self.backward_keys: Dict[tuple, None] = {}
+        # key -> {id(state): weakref(state)}: the forward / backward states of the modules that ran (or will run a
+        # backward) in this step; a non-reduced key's updates touch only these, as in Transformer Engine
+        self.forward_keys: Dict[tuple, Dict[int, weakref.ref]] = {}
+        self.backward_keys: Dict[tuple, Dict[int, weakref.ref]] = {}
         self.entered: Dict[tuple, int] = {}  # delayed-scaling keys entered, in order -> the key's step number
         self.pending_backward = 0
         self.backward_finished = False  # the step's backward update has run
         self.lock = threading.Lock()
 
-    def forward_called(self, key, needs_backward: bool) -> None:
-        self.forward_keys[key] = None
+    def forward_called(self, key, needs_backward: bool, states=None) -> None:
+        """A module call recording amaxes under `key`; `states`: its (forward, backward) ScalingStates."""
+        ran = self.forward_keys.get(key)
+        if ran is None:
+            ran = self.forward_keys[key] = {}
+        if states is not None and id(states[0]) not in ran:
+            ran[id(states[0])] = weakref.ref(states[0])
         if needs_backward:
             with self.lock:
                 self.pending_backward += 1
-                self.backward_keys[key] = None
+                backward = self.backward_keys.get(key)
+                if backward is None:
+                    backward = self.backward_keys[key] = {}
+                if states is not None and id(states[1]) not in backward:
+                    backward[id(states[1])] = weakref.ref(states[1])
 
     def backward_done(self) -> None:
         with self.lock:
@@ -62,17 +74,17 @@ class _Step:
                 return
             self.pending_backward -= 1
             run = self.pending_backward == 0
-            keys = list(self.backward_keys)
+            keys = dict(self.backward_keys)
             if run:
                 self.backward_keys = {}
         if run:
             self.backward_finished = True
             release_step(self)  # no recompute of this step is left to come
-            for key in keys:
+            for key, states in keys.items():
                 if registry.reduces(key):  # collective: deferred to the next outermost entry
                     registry.entry(key).backward_ran = True
                 else:
-                    registry.update_key(key, "backward")
+                    registry.update_key(key, "backward", _alive(states))
 
     def abort(self) -> None:
         """An exception left the outermost autocast: clear the forward staging amaxes of the keys this step used
@@ -125,9 +137,9 @@ def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> Non
 def _update_step(step: _Step) -> None:
     """The forward updates at the outermost exit; collective for the keys with amax reduction."""
     reduced = [key for key in step.entered if registry.reduces(key)]
-    for key in step.forward_keys:
+    for key, states in step.forward_keys.items():
         if key not in reduced:
-            registry.update_key(key, "forward")
+            registry.update_key(key, "forward", _alive(states))
     if registry.dist_initialized():
         from .amax_reduction import check_local_key, reduced_update
 
@@ -137,6 +149,10 @@ def _update_step(step: _Step) -> None:
         for key in reduced:
             reduced_update(key, "forward", key in step.forward_keys, step.entered[key])
             _PENDING_BACKWARD[key] = step.entered[key]
+
+
+def _alive(refs: Dict[int, "weakref.ref"]):
+    return [s for s in (r() for r in refs.values()) if s is not None]
 
 
 def has_pending_backward(state: ScalingState) -> bool:

@@ -7,6 +7,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from .convert_fuse import FuseArg, fuse_norm_linear_pairs
 from .modules import Linear
 
 
@@ -29,6 +30,8 @@ def _to_fp8_linear(layer: torch.nn.Linear) -> Linear:
 def convert_model(
     model: torch.nn.Module,
     module_filter: Optional[Callable[[torch.nn.Module, str], bool]] = None,
+    *,
+    fuse_layernorm: FuseArg = False,
 ) -> torch.nn.Module:
     """Replace every `torch.nn.Linear` (exactly that type) in `model` with an fp8kit Linear holding the same
     parameters, in place, and return `model`.
@@ -37,6 +40,12 @@ def convert_model(
     Layers whose shapes FP8 GEMMs cannot take (a feature dimension that is not a multiple of 16) are left as they
     are and reported in one warning; their names are also stored as `model.fp8kit_skipped` (a list of
     `(name, reason)`).
+
+    fuse_layernorm (opt-in, default False): also replace LayerNorm / RMSNorm + Linear pairs by one
+    `LayerNormLinear` with the same parameters: True fuses a norm directly followed by a Linear inside a
+    `torch.nn.Sequential`; a dict `{norm_name: linear_name}` fuses exactly those pairs (the norm's output must feed
+    that Linear only). The norm's place becomes `torch.nn.Identity()`; the fused pairs are listed in
+    `model.fp8kit_fused`. See fp8kit.pytorch.convert_fuse for the rule.
     """
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"convert_model: expected a torch.nn.Module, got {type(model).__name__}")
@@ -44,6 +53,8 @@ def convert_model(
     if type(model) is torch.nn.Linear:
         raise TypeError("convert_model: pass a model that contains the Linear (it is replaced in its parent), "
                         "or build fp8kit.pytorch.Linear directly")
+    if fuse_layernorm is not False:  # opt-in norm + Linear fusion (convert_fuse.py); the loop converts the rest
+        model.fp8kit_fused = fuse_norm_linear_pairs(model, fuse_layernorm, module_filter, fp8_shape_problem)
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if type(child) is not torch.nn.Linear:

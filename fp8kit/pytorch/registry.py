@@ -121,11 +121,16 @@ def reduces(key) -> bool:
     return reduce_group(key[0], key[1]) is not None
 
 
-def update_key(key, which: str) -> None:
-    """The local (not collective) update of `which` ("forward" or "backward") states under `key`."""
+def update_key(key, which: str, ran=None) -> None:
+    """The local (not collective) update of `which` ("forward" or "backward") states under `key`: of the states in
+    `ran` (those of the modules that ran in the step; None: every registered one), in registration order."""
     found = _REGISTRY.get(key)
     if found is None:
         return
+    states = found.live(which, key)
+    if ran is not None:
+        chosen = {id(s) for s in ran}
+        states = [s for s in states if id(s) in chosen]
     recipe = found.recipe
     fmt = recipe.fp8_format.value
-    update_states(found.live(which, key), recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd)
+    update_states(states, recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd)

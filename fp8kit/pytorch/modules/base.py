@@ -18,6 +18,7 @@ from ..distributed import label_states
 from ..quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
+from ..te_checkpoint import with_te_extra_state
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 _FIELDS = ("amax_history", "scale", "update_count")
@@ -93,6 +94,14 @@ class FP8StateMixin:
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None}
         self._fp8_records = RecordQueue()
 
+    def create_fp8_states(self, length: int, device) -> None:
+        """Create the delayed-scaling states now (not registered until the first FP8 forward), e.g. for FP8 weights
+        whose quantizer reads the weight slot's scale."""
+        meta = self.fp8_meta
+        for name, per_gemm in _PASSES:
+            if meta[name] is None:
+                meta[name] = ScalingState(per_gemm * self.num_gemms, length, device)
+
     def current_scaling_groups(self) -> Tuple[object, object, object]:
         """The amax-reduction groups of the (input, weight, grad_output) casts under current scaling; modules split
         over a tensor-parallel group override this."""
@@ -111,9 +120,9 @@ class FP8StateMixin:
         # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
         will_recompute = not grad and needs_backward and in_reentrant_checkpoint()
         counted = frame.records_amax and needs_backward and (grad or will_recompute)
-        if frame.records_amax:
-            frame.step.forward_called(frame.key, counted)
         states = self.fp8_states(frame, device) if isinstance(frame.recipe, DelayedScaling) else None
+        if frame.records_amax:
+            frame.step.forward_called(frame.key, counted, states)
         record = None
         if grad or will_recompute:  # a recompute of this call may come: say how to repeat it
             record = ForwardRecord(frame, _scale_snapshot(states), counted)
@@ -190,6 +199,9 @@ class FP8StateMixin:
                                       error_msgs)
         ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
+        # Transformer Engine's `<prefix>_extra_state`, read without arbitrary pickle (te_checkpoint.py): accepted,
+        # and used as the fp8_meta entries when the checkpoint has none of fp8kit's
+        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms, unexpected_keys, error_msgs)
         entries, problems = {}, []
         for name, per_gemm in _PASSES:
             base = f"{prefix}fp8_meta.{name}."

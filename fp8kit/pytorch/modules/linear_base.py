@@ -12,7 +12,9 @@ import torch.nn.functional as F
 
 from ...recipe import DelayedScaling
 from ..distributed import check_shared_scales, tensor_parallel
+from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
 from ..gemm import check_cuda_shape
+from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8StateMixin
 from .linear_function import LinearPlan, WeightGradStore, fp8_linear
 from .setup import (
@@ -97,6 +99,12 @@ class LinearBase(FP8StateMixin):
             with torch.no_grad():
                 for bname in self.bias_names:
                     getattr(self, bname).zero_()
+        settings = quantized_init_settings()
+        if settings is not None and not isinstance(getattr(self, self.weight_names[0]), Float8Tensor):
+            if len(self.weight_names) > 1:
+                raise ValueError(f"{self._kind}: FP8 weights (quantized_model_init) cannot be split into several "
+                                 "parameters (parameters_split), as in Transformer Engine")
+            quantize_weight_parameter(self, self.weight_names[0], 0, settings)
 
     def full_weight(self) -> torch.Tensor:
         """The weight `[out_features, in_features]` (the split parameters concatenated, with autograd)."""

@@ -11,6 +11,8 @@ from typing import Iterable, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from ..te_checkpoint import accept_extra_state
+
 __all__ = ["LayerNorm", "RMSNorm", "normalize", "NORMALIZATIONS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
@@ -96,6 +98,12 @@ class _Norm(torch.nn.Module):
         if self.sequence_parallel is not None:
             for p in self.parameters(recurse=False):
                 p.sequence_parallel = self.sequence_parallel
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        accept_extra_state(prefix, unexpected_keys)  # Transformer Engine's norms save one (te_checkpoint.py)
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         if inp.shape[-len(self.normalized_shape):] != self.normalized_shape:

@@ -11,6 +11,7 @@ import torch
 
 from ...recipe import DelayedScaling
 from ..distributed import TensorParallel, tensor_parallel
+from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.storage import Float8TensorStorage
 from .base import FP8Call
 from .linear_function import LinearPlan
@@ -117,8 +118,12 @@ def check_operands(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Op
         raise ValueError(f"{where}: input of shape {tuple(inp.shape)} does not end with in_features={in_features}")
     if autocast_on:
         dtype = torch.get_autocast_dtype(inp.device.type)
-        inp, weight = inp.to(dtype), weight.to(dtype)
+        inp = inp.to(dtype)
+        if not isinstance(weight, Float8Tensor):  # an FP8 weight keeps its bytes (and its nominal dtype)
+            weight = weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
+        if isinstance(weight, Float8Tensor):
+            return inp, weight, bias
     if inp.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(
             f"{where}: input dtype {inp.dtype} does not match weight dtype {weight.dtype}"
@@ -144,6 +149,12 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
         cached = _cached_weight(module, gemm, is_first_microbatch, frame.enabled, weight_q.fp8_dtype, weight_param)
         if cached is not None:
             call.reused_weight(gemm, cached)
+    if isinstance(weight_param, Float8Tensor):  # an FP8 weight (quantized_model_init): its bytes, no cast
+        if weight_param._data.dtype != weight_q.fp8_dtype:
+            raise TypeError(f"{type(module).__name__}: the FP8 weight holds {weight_param._data.dtype} but the recipe "
+                            f"casts weights to {weight_q.fp8_dtype}; create the model under quantized_model_init with "
+                            "a recipe of the same format")
+        cached = weight_param.storage_view()
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
     if isinstance(recipe, DelayedScaling):
         if module.save_original_input and call.fp8[2]:

@@ -1,0 +1,137 @@
+"""FP8 weights: `quantized_model_init` (and its older name `fp8_model_init`) makes the layers created inside it hold
+their GEMM weights as Float8Tensor parameters, so each forward skips the weight cast and the weights take half of
+bf16's memory.
+
+- Delayed scaling: a weight's quantizer casts with the module's forward-state scale of the weight slot and records
+  its amax into that slot's staging row (`StateQuantizer`), so the weight's scale follows the weight's amax history.
+  Quantizing it again (an optimizer step: `param.copy_(master)` or `param.quantize_(master)`) uses the scale of the
+  last update, as a forward cast would.
+- Current scaling: the weight is cast with its own amax, again after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from .cast import fp8_dtype_of
+from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+
+__all__ = ["quantized_model_init", "fp8_model_init", "quantized_init_settings", "StateQuantizer",
+           "quantize_weight_parameter"]
+
+
+@dataclass(frozen=True)
+class _Settings:
+    enabled: bool
+    recipe: Recipe
+    preserve_high_precision_init_val: bool
+
+
+_SETTINGS: contextvars.ContextVar[Optional[_Settings]] = contextvars.ContextVar("fp8kit_quantized_init", default=None)
+
+
+def quantized_init_settings() -> Optional[_Settings]:
+    """The innermost `quantized_model_init` in force (None outside, or when it says enabled=False)."""
+    settings = _SETTINGS.get()
+    return settings if settings is not None and settings.enabled else None
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False) -> Iterator[None]:
+    """Layers created inside hold their GEMM weights as Float8Tensor parameters (Transformer Engine's signature).
+
+    enabled: False creates high-precision weights (a way to switch it off in a scope).
+    recipe: the recipe the weights are quantized for (DelayedScaling() when None); the FP8 forward must use one of
+      the same kind and format.
+    preserve_high_precision_init_val: keep each weight's high-precision initial value on the CPU, reachable through
+      `param.get_high_precision_init_val()` (for an optimizer's master weights) and released by
+      `param.clear_high_precision_init_val()`.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"quantized_model_init: enabled must be a bool, got {enabled!r}")
+    if recipe is None:
+        recipe = DelayedScaling()
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+        raise TypeError(f"quantized_model_init: recipe must be a DelayedScaling or Float8CurrentScaling, got "
+                        f"{recipe!r}")
+    token = _SETTINGS.set(_Settings(enabled, recipe, bool(preserve_high_precision_init_val)))
+    try:
+        yield
+    finally:
+        _SETTINGS.reset(token)
+
+
+def fp8_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                   preserve_high_precision_init_val: bool = False):
+    """The older name of `quantized_model_init`."""
+    return quantized_model_init(enabled, recipe, preserve_high_precision_init_val)
+
+
+class StateQuantizer(Float8Quantizer):
+    """A Float8Quantizer bound to one slot of a module's forward ScalingState: its `scale` and `amax` are the state's
+    current tensors for that slot (they follow the state through resizes, device moves and loads). It holds the state,
+    not the module, so a module and its FP8 weights form no reference cycle."""
+
+    def __init__(self, state, slot: int, fp8_dtype):
+        self.state, self.slot = state, slot
+        super().__init__(state.scale[slot:slot + 1], state.amax_history[0, slot:slot + 1], fp8_dtype)
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.state.scale[self.slot:self.slot + 1]
+
+    @property
+    def amax(self) -> torch.Tensor:
+        return self.state.amax_history[0, self.slot:self.slot + 1]
+
+    def copy(self) -> "StateQuantizer":
+        out = StateQuantizer(self.state, self.slot, self.dtype)
+        out.set_usage(rowwise=self.rowwise_usage, columnwise=self.columnwise_usage)
+        return out
+
+
+def quantize_weight_parameter(module, name: str, gemm: int, settings: _Settings) -> None:
+    """Replace `module.<name>` (a GEMM's weight, initialised in high precision) by a Float8Tensor parameter."""
+    param = getattr(module, name)
+    recipe = settings.recipe
+    fp8_dtype = fp8_dtype_of(recipe.fp8_format.value.fwd)
+    if isinstance(recipe, DelayedScaling):
+        module.create_fp8_states(recipe.amax_history_len, param.device)
+        quantizer = StateQuantizer(module.fp8_meta["scaling_fwd"], 3 * gemm + 1, fp8_dtype)
+    else:
+        q = recipe.fp8_quant_fwd_weight
+        quantizer = Float8CurrentScalingQuantizer(fp8_dtype, param.device, force_pow_2_scales=q.power_2_scale,
+                                                  amax_epsilon=q.amax_epsilon)
+    with torch.no_grad():
+        fp8 = quantizer.quantize(param.detach())
+    new = torch.nn.Parameter(fp8, requires_grad=param.requires_grad)
+    for attr in ("sequence_parallel", "tensor_model_parallel", "partition_dim", "partition_stride"):
+        if hasattr(param, attr):
+            setattr(new, attr, getattr(param, attr))
+    if settings.preserve_high_precision_init_val:
+        _keep_init_value(new, param.detach().cpu().clone())
+    setattr(module, name, new)
+
+
+def _keep_init_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
+    holder = {"value": value}
+
+    def get_high_precision_init_val() -> Optional[torch.Tensor]:
+        return holder["value"]
+
+    def clear_high_precision_init_val() -> None:
+        holder["value"] = None
+
+    param.get_high_precision_init_val = get_high_precision_init_val
+    param.clear_high_precision_init_val = clear_high_precision_init_val
+
+
+def is_fp8_parameter(t) -> bool:
+    return isinstance(t, Float8Tensor)

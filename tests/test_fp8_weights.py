@@ -1,0 +1,157 @@
+"""FP8 weights (quantized_model_init): Float8Tensor parameters used as they are by the FP8 GEMMs, their scales under
+both recipes, optimizer steps, checkpoints that load with weights_only and resume exactly."""
+
+import copy
+import io
+
+import numpy as np
+import pytest
+import torch
+
+import fp8kit.pytorch as te
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+import reference as ref
+from linear_helpers import assert_gemm_close, np32
+
+RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
+
+
+def weight_bytes(p) -> np.ndarray:
+    return p._data.contiguous().view(torch.uint8).numpy()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_weights_are_float8_parameters_at_half_the_memory(recipe):
+    torch.manual_seed(0)
+    with te.quantized_model_init(recipe=recipe):
+        m = te.Linear(64, 32, params_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    plain = te.Linear(64, 32, params_dtype=torch.bfloat16)
+    w = m.weight
+    assert isinstance(w, te.Float8Tensor) and isinstance(w, torch.nn.Parameter) and w.requires_grad
+    assert w.dtype == torch.bfloat16 and w.shape == (32, 64)
+    assert w._data.element_size() * w._data.numel() == plain.weight.numel()  # one byte per element, bf16 has two
+    assert not isinstance(m.bias, te.Float8Tensor)
+    # the bytes are the cast of the same initial weight (delayed: scale 1 at init; current: its own amax)
+    w0 = np32(plain.weight)
+    scale = 1.0 if isinstance(recipe, DelayedScaling) else ref.current_scale(ref.amax(w0), 448.0)
+    want, inv = ref.cast(w0, "e4m3", scale)
+    assert np.array_equal(weight_bytes(w), want) and w._scale_inv.item() == inv
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_forward_uses_the_weight_bytes_without_casting(recipe):
+    torch.manual_seed(1)
+    with te.quantized_model_init(recipe=recipe):
+        m = te.Linear(64, 32, bias=False)
+    x = torch.randn(16, 64)
+    with te.autocast(recipe=recipe):
+        y = m(x)
+    if isinstance(recipe, DelayedScaling):
+        x_scale = 1.0  # the first step casts with scale 1
+    else:
+        x_scale = ref.current_scale(ref.amax(np32(x)), 448.0)
+    xq, x_inv = ref.cast(np32(x), "e4m3", x_scale)
+    a = ref.dequantize(xq, "e4m3", x_inv).astype(np.float64)
+    b = ref.dequantize(weight_bytes(m.weight), "e4m3", m.weight._scale_inv.item()).astype(np.float64).T
+    assert_gemm_close(y, a @ b, a, b, 2.0 ** -24)
+
+
+def test_delayed_weight_amax_comes_from_its_quantization():
+    recipe = DelayedScaling(amax_history_len=4)
+    torch.manual_seed(2)
+    with te.quantized_model_init(recipe=recipe):
+        m = te.Linear(32, 32)
+    w0 = m.weight.dequantize(dtype=torch.float32)  # at init: scale 1, the initial weight's amax staged
+    init_amax = m.fp8_meta["scaling_fwd"].amax_history[0, 1].item()
+    assert init_amax > 0
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    amaxes = [init_amax]
+    for step in range(3):
+        with te.autocast(recipe=recipe):
+            y = m(torch.randn(8, 32))
+        y.square().sum().backward()
+        opt.step()  # in-place update: requantized with the weight slot's current scale, amax staged
+        opt.zero_grad()
+        amaxes.append(m.fp8_meta["scaling_fwd"].amax_history[0, 1].item())
+    hist = m.fp8_meta["scaling_fwd"].amax_history[:, 1].tolist()
+    # each forward's update rolled the staged weight amax (from the last quantization), none from a forward cast
+    assert hist[1:] == amaxes[:3] and hist[0] == amaxes[3]
+    assert w0.shape == (32, 32)
+
+
+def test_current_scaling_requantizes_after_each_step():
+    recipe = Float8CurrentScaling()
+    torch.manual_seed(3)
+    with te.quantized_model_init(recipe=recipe):
+        m = te.Linear(32, 32, bias=False)
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    with te.autocast(recipe=recipe):
+        y = m(torch.randn(8, 32))
+    y.square().sum().backward()
+    before = m.weight.dequantize(dtype=torch.float32)
+    grad = m.weight.grad.float()
+    opt.step()
+    updated = np32((before - 0.5 * grad).to(torch.float32))
+    want, inv = ref.cast(updated, "e4m3", ref.current_scale(ref.amax(updated), 448.0))
+    assert np.array_equal(weight_bytes(m.weight), want) and m.weight._scale_inv.item() == inv
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_checkpoint_loads_weights_only_and_resumes_exactly(recipe):
+    def make():
+        torch.manual_seed(4)
+        with te.quantized_model_init(recipe=recipe):
+            return torch.nn.Sequential(te.Linear(32, 64), torch.nn.GELU(), te.Linear(64, 32))
+
+    def train(model, opt, seed, steps):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            with te.autocast(recipe=recipe):
+                loss = model(torch.randn(8, 32, generator=g) * 3).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    straight = make()
+    opt = torch.optim.SGD(straight.parameters(), lr=0.1)
+    train(straight, opt, 0, 2)
+    buf = io.BytesIO()
+    torch.save(straight.state_dict(), buf)
+    buf.seek(0)
+    state = torch.load(buf, weights_only=True)
+    assert isinstance(state["0.weight"], te.Float8Tensor)
+    resumed = make()
+    resumed.load_state_dict(state)
+    twin = copy.deepcopy(straight)
+    for m in (straight, resumed, twin):
+        train(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, 2)
+    for a, b, c in zip(straight.state_dict().values(), resumed.state_dict().values(), twin.state_dict().values()):
+        for u in (b, c):
+            if isinstance(a, te.Float8Tensor):
+                assert torch.equal(a._data.view(torch.uint8), u._data.view(torch.uint8))
+                assert torch.equal(a._scale_inv, u._scale_inv)
+            else:
+                assert torch.equal(a, u)
+
+
+def test_preserve_high_precision_init_val_and_errors():
+    torch.manual_seed(5)
+    with te.fp8_model_init(preserve_high_precision_init_val=True):
+        m = te.Linear(16, 16)
+    torch.manual_seed(5)
+    plain = te.Linear(16, 16)
+    assert torch.equal(m.weight.get_high_precision_init_val(), plain.weight.detach())
+    m.weight.clear_high_precision_init_val()
+    assert m.weight.get_high_precision_init_val() is None
+    with te.quantized_model_init(enabled=False):
+        assert not isinstance(te.Linear(16, 16).weight, te.Float8Tensor)
+    with pytest.raises(ValueError, match="parameters_split"):
+        with te.quantized_model_init():
+            te.Linear(16, 32, parameters_split=("a", "b"))
+    with te.quantized_model_init(recipe=DelayedScaling(fp8_format=Format.E5M2)):
+        e5 = te.Linear(16, 16)
+    with pytest.raises(TypeError, match="FP8 weight holds"):
+        with te.autocast(recipe=DelayedScaling()):
+            e5(torch.randn(2, 16))
