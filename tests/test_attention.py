@@ -283,3 +283,16 @@ def test_bad_inputs_raise_errors_naming_the_argument():
         warnings.simplefilter("always")
         assert te.DotProductAttention(H, D, window_size=(-1, -1)).window_size == (-1, 0)
     assert any("becomes (-1, 0)" in str(w.message) for w in caught)
+
+
+def test_bias_combines_with_padding_of_another_batch_shape():
+    """A [1, h, sq, skv] bias with a [b, 1, sq, skv] padding mask: both broadcast."""
+    q, k, v = _qkv()
+    dpa = te.DotProductAttention(H, D, qkv_format="bshd", attn_mask_type="padding", attention_type="cross")
+    pad_q, pad_kv = ref.right_padding([5, 2], SQ), ref.right_padding([4, 7], SKV)
+    bias = torch.randn(1, H, SQ, SKV, generator=torch.Generator().manual_seed(8))
+    out = dpa(q, k, v, attention_mask=(torch.from_numpy(pad_q).view(B, 1, 1, SQ),
+                                       torch.from_numpy(pad_kv).view(B, 1, 1, SKV)),
+              core_attention_bias_type="post_scale_bias", core_attention_bias=bias)
+    allowed = ref.allowed_pairs(B, H, SQ, SKV, "padding", pad_q=pad_q, pad_kv=pad_kv)
+    _check(out, q, k, v, allowed, "bshd", bias=bias)

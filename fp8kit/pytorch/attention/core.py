@@ -39,7 +39,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allowed: Option
         empty = ~allowed.any(-1, keepdim=True)
         mask = allowed | empty  # attend somewhere finite; the row is zeroed below
     if bias is not None:
-        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))
+        mask = bias if mask is None else torch.where(mask, bias, float("-inf"))  # broadcasts both
     groups = k.shape[1]
     kwargs = {}
     if groups != q.shape[1]:
