@@ -333,3 +333,24 @@ def test_bad_arguments_raise_errors_naming_them():
         layer(x, attention_mask=torch.zeros(B, 1, 1, S))
     with pytest.raises(ValueError, match=r"attention_mask: a padding mask has shape \[batch, 1, 1, seqlen\]"):
         layer(x, attention_mask=torch.zeros(B, 1, S, S, dtype=torch.bool))
+
+
+def test_fp8_weights_under_quantized_model_init():
+    recipe = DelayedScaling(amax_history_len=2)
+    kwargs = dict(hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True)
+    torch.manual_seed(0)
+    with te.quantized_model_init(enabled=True, recipe=recipe):
+        layer = te.TransformerLayer(HID, FFN, H, **kwargs)
+    assert isinstance(layer.self_attention.layernorm_qkv.weight, te.Float8Tensor)
+    assert isinstance(layer.layernorm_mlp.fc1_weight, te.Float8Tensor)
+    high = te.TransformerLayer(HID, FFN, H, **kwargs)
+    high.load_state_dict({k: v.dequantize() if isinstance(v, te.Float8Tensor) else v
+                          for k, v in layer.state_dict().items() if "fp8_meta" not in k}, strict=False)
+    x = torch.randn(S, B, HID)
+    with te.autocast(recipe=recipe):
+        y = layer(x)
+    y.sum().backward()
+    want = high(x)
+    assert 0 < ((y - want).norm() / want.norm()).item() < 0.05
+    with pytest.raises(ValueError, match="parameters_split"), te.quantized_model_init(enabled=True, recipe=recipe):
+        te.TransformerLayer(HID, FFN, H)  # split QKV parameters cannot be FP8 weights
