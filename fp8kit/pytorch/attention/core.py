@@ -10,18 +10,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["attend", "SDPA_HAS_GQA"]
-
-
-def _torch_version() -> tuple:
-    parts = []
-    for p in torch.__version__.split("+")[0].split(".")[:2]:
-        digits = "".join(ch for ch in p if ch.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts)
-
-
-SDPA_HAS_GQA = _torch_version() >= (2, 5)  # scaled_dot_product_attention(enable_gqa=...)
+__all__ = ["attend"]
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allowed: Optional[torch.Tensor],
@@ -40,17 +29,9 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, allowed: Option
         mask = allowed | empty  # attend somewhere finite; the row is zeroed below
     if bias is not None:
         mask = bias if mask is None else torch.where(mask, bias, float("-inf"))  # broadcasts both
-    groups = k.shape[1]
-    kwargs = {}
-    if groups != q.shape[1]:
-        if SDPA_HAS_GQA:
-            kwargs["enable_gqa"] = True
-        else:
-            rep = q.shape[1] // groups
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     with (dropout_context() if dropout_context is not None and dropout_p > 0 else contextlib.nullcontext()):
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
-                                             scale=scale, **kwargs)
+                                             scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if empty is not None:
         out = out.masked_fill(empty, 0.0)
     return out
