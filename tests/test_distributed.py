@@ -1,9 +1,9 @@
 """fp8kit.pytorch on torch.distributed (SPEC section 9): amax reduction, modules skipped on some ranks,
 registration mismatches, tensor-parallel Linear, DDP and FSDP2, on local gloo processes (CPU).
 
-The checks themselves live in tests/dist_workers.py and tests/dist_workers_tp.py (each says what it compares
-against), started by tests/dist_launch.py. The processes start once per world size for this file and run every
-check in turn; each launch has a hard timeout, so nothing can hang.
+The checks themselves live in tests/dist_workers.py, tests/dist_workers_tp.py and tests/dist_workers_mlp.py (each
+says what it compares against), started by tests/dist_launch.py. The processes start once per world size for this
+file and run every check in turn; each launch has a hard timeout, so nothing can hang.
 """
 
 import os
@@ -22,7 +22,8 @@ from dist_launch import check_result, launch
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 TWO_RANKS = ["amax_reduction", "moe_skip", "unused_key_keeps_state", "registration_mismatch", "tp_linear",
-             "tp_mlp_bf16", "ddp", "ddp_unused_expert", "fsdp2"]
+             "tp_mlp_bf16", "ddp", "ddp_unused_expert", "fsdp2",
+             "tp_layernorm_mlp", "tp_layernorm_linear"]  # the last two: tests/dist_workers_mlp.py
 RULES = ["rule_caught_exception", "rule_no_grad_step", "rule_different_groups", "rule_different_reduce_amax",
          "rule_slow_rank_is_fine"]
 FOUR_RANKS = ["tp_dp_4_ranks", "moe_skip", "amax_reduction"]
@@ -30,7 +31,7 @@ FOUR_RANKS = ["tp_dp_4_ranks", "moe_skip", "amax_reduction"]
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return launch(2, TWO_RANKS, timeout=90)
+    return launch(2, TWO_RANKS, timeout=120)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,16 @@ from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
 from .fp8_weights import fp8_model_init, quantized_model_init
-from .modules import LayerNorm, LayerNormLinear, Linear, RMSNorm
+from .modules import (
+    Fp8Padding,
+    Fp8Unpadding,
+    GroupedLinear,
+    LayerNorm,
+    LayerNormLinear,
+    LayerNormMLP,
+    Linear,
+    RMSNorm,
+)
 from .quantized_tensor import (
     QuantizedTensor,
     QuantizedTensorStorage,
@@ -38,6 +47,7 @@ from .transformer import TransformerLayer
 torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights_only=True) rebuilds Float8Tensors
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
+           "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
            "Float8Tensor", "convert_model", "distributed",
            "checkpoint", "CudaRNGStatesTracker", "DType", "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",

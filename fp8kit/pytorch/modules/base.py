@@ -63,10 +63,18 @@ class FP8Call:
                 return FixedScaleQuantizer(scales[3 * gemm], fwd_dtype), \
                     FixedScaleQuantizer(scales[3 * gemm + 1], fwd_dtype), grad_q
             return DelayedQuantizer(fwd, 3 * gemm, fwd_dtype), DelayedQuantizer(fwd, 3 * gemm + 1, fwd_dtype), grad_q
-        groups = self.module.current_scaling_groups()
+        groups = self.module.current_scaling_groups(gemm)
         roles = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
         return tuple(CurrentQuantizer(dtype, q.amax_epsilon, q.power_2_scale, group)
                      for dtype, q, group in zip((fwd_dtype, fwd_dtype, bwd_dtype), roles, groups))
+
+    def count_gemm_backwards(self, gemms: int) -> None:
+        """Say that this call's backward runs `gemms` GEMM backwards which each report to the step when they are done
+        (`LinearPlan.track_backward`); `begin_fp8_call` counted one. For modules with several GEMMs (LayerNormMLP,
+        GroupedLinear): the step's backward update runs after the last of them."""
+        if self.track_backward and not self.replay:  # a recompute's backwards were counted by the original call
+            for _ in range(gemms - 1):
+                self.frame.step.forward_called(self.frame.key, True)
 
     def cached_weight(self, gemm: int = 0):
         """The FP8 weight a recompute must reuse for GEMM `gemm` (the original call's cached one), or None."""
@@ -102,9 +110,9 @@ class FP8StateMixin:
             if meta[name] is None:
                 meta[name] = ScalingState(per_gemm * self.num_gemms, length, device)
 
-    def current_scaling_groups(self) -> Tuple[object, object, object]:
-        """The amax-reduction groups of the (input, weight, grad_output) casts under current scaling; modules split
-        over a tensor-parallel group override this."""
+    def current_scaling_groups(self, gemm: int = 0) -> Tuple[object, object, object]:
+        """The amax-reduction groups of the (input, weight, grad_output) casts of GEMM `gemm` under current scaling;
+        modules split over a tensor-parallel group override this."""
         return None, None, None
 
     def begin_fp8_call(self, tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -> Optional[FP8Call]:

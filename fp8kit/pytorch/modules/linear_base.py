@@ -134,7 +134,7 @@ class LinearBase(FP8StateMixin):
                              f"built for tp_size={self.tp_size}")
         self.tensor_parallel = tp
 
-    def current_scaling_groups(self):
+    def current_scaling_groups(self, gemm: int = 0):
         """Every tensor split over the tensor-parallel group (gathered ones included) is cast with the amax of the
         whole tensor, so the FP8 bytes equal a single-process run's; replicated tensors need no reduction."""
         tp = self.tensor_parallel
