@@ -48,19 +48,19 @@ def test_cli_offers_the_te_model():
 
 
 def test_te_model_trains_within_two_percent_of_the_plain_model(tmp_path):
+    """Both models under delayed scaling from the same initial weights and batches: every training loss and the
+    final validation loss of the te model within 2% of the plain model's."""
     corpus = load_corpus(max_chars=40_000)
-    cfg = dict(model=SMALL, steps=12, batch_size=4, lr=3e-3, warmup=3, eval_interval=12, eval_batches=2, seed=0,
+    cfg = dict(model=SMALL, steps=10, batch_size=4, lr=3e-3, warmup=2, eval_interval=10, eval_batches=1, seed=0,
                stats=False)
     runs = {}
-    for arch, recipes in (("te", ["bf16", "delayed"]), ("plain", ["delayed"])):
-        results = run_demo(TrainConfig(arch=arch, **cfg), recipes, str(tmp_path / arch), corpus=corpus,
+    for arch in ("te", "plain"):
+        results = run_demo(TrainConfig(arch=arch, **cfg), ["delayed"], str(tmp_path / arch), corpus=corpus,
                            progress=False, stream=open(os.devnull, "w"))
         assert results["config"]["arch"] == arch
-        runs.update({(arch, r["recipe"]): r for r in results["runs"]})
-    te_fp8, te_bf16, plain_fp8 = runs["te", "delayed"], runs["te", "bf16"], runs["plain", "delayed"]
-    assert te_fp8["final_val_loss"] < te_fp8["curves"]["train_loss"][0] - 0.3, "the te model did not learn"
-    for other in (te_bf16, plain_fp8):  # every training step, and the final validation loss
-        pairs = list(zip(te_fp8["curves"]["train_loss"], other["curves"]["train_loss"]))
-        pairs.append((te_fp8["final_val_loss"], other["final_val_loss"]))
-        worst = max(abs(a / b - 1) for a, b in pairs)
-        assert worst < 0.02, (other["recipe"], pairs)
+        runs[arch] = results["runs"][0]
+    te_run, plain_run = runs["te"], runs["plain"]
+    assert te_run["final_val_loss"] < te_run["curves"]["train_loss"][0] - 0.3, "the te model did not learn"
+    pairs = list(zip(te_run["curves"]["train_loss"], plain_run["curves"]["train_loss"]))
+    pairs.append((te_run["final_val_loss"], plain_run["final_val_loss"]))
+    assert max(abs(a / b - 1) for a, b in pairs) < 0.02, pairs
