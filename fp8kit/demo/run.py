@@ -35,7 +35,7 @@ def stats_summary(rows: List[dict]) -> str:
     """Per tensor role: the amax range over modules, and the module with the most saturation / underflow."""
     lines = [f"  {'role':<11} {'fmt':<4} {'amax min..max':>19} {'max saturated':>28} {'max underflow':>28}"]
     for role in ("input", "weight", "grad_output"):
-        sel = [r for r in rows if r["role"] == role]
+        sel = [r for r in rows if r["role"].split(".")[-1] == role]  # LayerNormMLP's roles are "fc1.input", ...
         if not sel:
             continue
         sat = max(sel, key=lambda r: r["saturated"])
