@@ -1,14 +1,14 @@
 """Transformer Engine's quickstart tutorial ("Getting Started"), ported to fp8kit.
 
 Ported from docs/examples/quickstart.ipynb of NVIDIA/TransformerEngine at commit c90a921 (the notebook's last
-version: TE replaced it with docs/getting_started/ in a976740), cells 1-18, with their helpers in
+version: TE replaced it with docs/getting_started/ in a976740), all its cells, with their helpers in
 te_quickstart_utils.py. Copyright (c) 2022-2026, NVIDIA CORPORATION & AFFILIATES, Apache License 2.0.
 
 Changes from the notebook: `transformer_engine.pytorch` -> `fp8kit.pytorch`, `transformer_engine.common.recipe` ->
 `fp8kit.recipe`; CPU instead of CUDA, with smaller sizes so that it runs in seconds; the notebook's markdown cells
-as short comments; lines marked "fp8kit addition" compare the layers' outputs. The cells from 19 on build
-`te.TransformerLayer`, which fp8kit does not have yet; the last cell here applies the notebook's "Enabling FP8"
-steps (cells 23-25) to the TE layer built earlier instead.
+as short comments; lines marked "fp8kit addition" compare the layers' outputs. Cell 24 passes the recipe as
+`recipe=`: the notebook's `te.autocast(..., fp8_recipe=...)` is a TypeError in Transformer Engine too (the keyword
+belongs to the older `te.fp8_autocast`).
 
 The "Mean time" lines are CPU times of emulated FP8 and of CPU float16 GEMMs: they say nothing about GPU speed.
 
@@ -254,22 +254,65 @@ utils.speedometer(
     forward_kwargs = { "attention_mask": None },
 )
 
-# %% [fp8kit addition] Enabling FP8 (the notebook's cells 23-25, on BasicTETransformerLayer: no TransformerLayer yet)
+# %% [cell 20] Finally, TransformerLayer: the whole layer in one module
+te_transformer = te.TransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads)
+te_transformer.to(dtype=dtype).cpu()
+utils.share_parameters_with_transformerlayer_te_model(te_transformer, basic_transformer)
+
+# %% [cell 21]
+torch.manual_seed(1234)
+y = te_transformer(x, attention_mask=None)
+
+# %% [fp8kit addition] The basic layer as a TransformerLayer, weight for weight
+# Cell 20's layer is Transformer Engine's default: causal, and with fuse_qkv_params=False its QKV weight is three
+# parameters (query_weight, key_weight, value_weight), so the helper's `layernorm_qkv.weight = ...` adds a parameter
+# the layer does not use (in Transformer Engine as here): its output is not the basic layer's. With the basic
+# layer's settings (no mask) and one fused QKV weight, whose default interleaved layout (per head: q, k, v) is the
+# basic layer's view/split, it computes the basic layer (compared without dropout).
+twin = te.TransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads, self_attn_mask_type="no_mask",
+                           fuse_qkv_params=True)
+twin.to(dtype=dtype).cpu()
+utils.share_parameters_with_transformerlayer_te_model(twin, basic_transformer)
+twin.eval(), basic_transformer.eval()
+y_twin, y_basic_eval = twin(x, attention_mask=None), basic_transformer(x, attention_mask=None)
+twin.train(), basic_transformer.train()
+print("TransformerLayer (fused QKV, no mask) - BasicTransformerLayer, largest difference:",
+      (y_twin - y_basic_eval).abs().max().item())
+
+# %% [cell 22]
+utils.speedometer(
+    te_transformer,
+    x,
+    dy,
+    forward_kwargs = { "attention_mask": None },
+)
+
+# %% [cell 24] Enabling FP8: wrap the forward pass in autocast
 from fp8kit.recipe import Format, DelayedScaling
+
+te_transformer = te.TransformerLayer(hidden_size, ffn_hidden_size, num_attention_heads)
+te_transformer.to(dtype=dtype).cpu()
+utils.share_parameters_with_transformerlayer_te_model(te_transformer, basic_transformer)
 
 fp8_format = Format.HYBRID
 fp8_recipe = DelayedScaling(fp8_format=fp8_format, amax_history_len=16, amax_compute_algo="max")
 torch.manual_seed(1234)
-with te.autocast(enabled=True, recipe=fp8_recipe):
-    y = basic_te_transformer(x, attention_mask=None)
-y_fp8 = y
-print("FP8 BasicTETransformerLayer vs BasicTransformerLayer, relative error:",
-      ((y_fp8.float() - y_basic.float()).norm() / y_basic.float().norm()).item())
+with te.autocast(enabled=True, recipe=fp8_recipe):  # the notebook: fp8_recipe=fp8_recipe (see the top)
+    y = te_transformer(x, attention_mask=None)
 
+# %% [cell 25]
 utils.speedometer(
-    basic_te_transformer,
+    te_transformer,
     x,
     dy,
     forward_kwargs = { "attention_mask": None },
     autocast_kwargs = { "enabled": True, "recipe": fp8_recipe },
 )
+
+# %% [fp8kit addition] FP8 against high precision, on the layer that computes the basic one
+twin.eval()
+with te.autocast(enabled=True, recipe=fp8_recipe):
+    y_twin_fp8 = twin(x, attention_mask=None)
+twin.train()
+print("FP8 TransformerLayer vs BasicTransformerLayer, relative error:",
+      ((y_twin_fp8.float() - y_basic_eval.float()).norm() / y_basic_eval.float().norm()).item())

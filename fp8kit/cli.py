@@ -88,6 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
                                        "(default: the standard library of this Python)")
     demo.add_argument("--max-chars", type=_positive_int, default=1_000_000,
                       help="corpus size cap in characters (default: 1000000)")
+    demo.add_argument("--model", choices=("plain", "te"), default="plain",
+                      help="plain: a GPT written with fp8kit Linear layers (default); te: the same GPT built from "
+                           "te.TransformerLayer blocks (Transformer Engine's module)")
     demo.add_argument("--no-stats", action="store_true", help="do not record FP8 numerics statistics")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     demo.set_defaults(run=_run_demo, subparser=demo)
@@ -135,7 +138,7 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("FP8 GEMMs on CUDA need --n-embd a multiple of 16 and batch-size x block-size a multiple of 8")
     cfg = TrainConfig(model=model, steps=preset["steps"], batch_size=preset["batch_size"], lr=preset["lr"],
                       eval_interval=min(args.eval_interval, preset["steps"]), seed=args.seed, device=device,
-                      stats=not args.no_stats)
+                      stats=not args.no_stats, arch=args.model)
     try:
         corpus = load_corpus(max_chars=args.max_chars, path=args.corpus)
     except (OSError, ValueError) as e:

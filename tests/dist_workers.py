@@ -43,6 +43,7 @@ from dist_common import (  # noqa: E402
     reduce_over_ranks,
     state_np,
 )
+from dist_workers_attn import check_tp_attention, check_tp_transformer_layer  # noqa: E402, F401
 from dist_workers_mlp import check_tp_layernorm_linear, check_tp_layernorm_mlp  # noqa: E402, F401
 from dist_workers_rules import (  # noqa: E402, F401
     check_rule_caught_exception,

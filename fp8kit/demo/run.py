@@ -16,7 +16,7 @@ from fp8kit.pytorch import stats_to_csv
 
 from . import plots
 from .data import Corpus, load_corpus
-from .model import GPT
+from .te_model import build_model
 from .train import TrainConfig, train_one
 
 
@@ -35,7 +35,7 @@ def stats_summary(rows: List[dict]) -> str:
     """Per tensor role: the amax range over modules, and the module with the most saturation / underflow."""
     lines = [f"  {'role':<11} {'fmt':<4} {'amax min..max':>19} {'max saturated':>28} {'max underflow':>28}"]
     for role in ("input", "weight", "grad_output"):
-        sel = [r for r in rows if r["role"] == role]
+        sel = [r for r in rows if r["role"].split(".")[-1] == role]  # LayerNormMLP's roles are "fc1.input", ...
         if not sel:
             continue
         sat = max(sel, key=lambda r: r["saturated"])
@@ -69,8 +69,9 @@ def run_demo(cfg: TrainConfig, recipes: List[str], out: str, corpus: Optional[Co
         corpus = load_corpus()
     stream = stream if stream is not None else sys.stdout
     say = lambda *a: print(*a, file=stream, flush=True)
-    n_params = GPT(cfg.model).num_params()
-    say(f"fp8kit demo: GPT {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd}, {cfg.model.n_head} heads, "
+    n_params = build_model(cfg.model, cfg.arch).num_params()
+    blocks = " of te.TransformerLayer blocks" if cfg.arch == "te" else ""
+    say(f"fp8kit demo: GPT{blocks} {cfg.model.n_layer} layers, n_embd {cfg.model.n_embd}, {cfg.model.n_head} heads, "
         f"block {cfg.model.block_size}, batch {cfg.batch_size} ({n_params / 1e6:.2f}M parameters), "
         f"{cfg.steps} steps on {cfg.device}")
     say(f"corpus: {corpus.describe()}")

@@ -24,6 +24,7 @@ from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
 from .data import Batches, Corpus
 from .model import GPT, GPTConfig
 from .progress import Progress
+from .te_model import build_model
 
 RECIPES = {
     "bf16": None,
@@ -49,6 +50,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     stats: bool = True
+    arch: str = "plain"  # the model: "plain" (fp8kit Linears) or "te" (te.TransformerLayer blocks), see te_model.py
 
     def as_dict(self) -> dict:
         d = asdict(self)
@@ -122,7 +124,7 @@ def train_one(name: str, corpus: Corpus, cfg: TrainConfig, progress: bool = True
     device = torch.device(cfg.device)
     wall_start = time.perf_counter()
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model).to(device)
+    model = build_model(cfg.model, cfg.arch).to(device)
     optimizer = make_optimizer(model, cfg)
     train_batches = Batches(corpus.train, cfg.batch_size, cfg.model.block_size, cfg.seed)
     # Fixed evaluation sets, disjoint in seed from the training order.
@@ -131,8 +133,8 @@ def train_one(name: str, corpus: Corpus, cfg: TrainConfig, progress: bool = True
     stats_on = cfg.stats and recipe is not None
     if stats_on:
         te.enable_stats(model)
-    trace = DelayedTrace(model.get_submodule(TRACKED_LAYER), TRACKED_LAYER) \
-        if isinstance(recipe, DelayedScaling) else None
+    tracked = getattr(model, "tracked_layer", TRACKED_LAYER)
+    trace = DelayedTrace(model.get_submodule(tracked), tracked) if isinstance(recipe, DelayedScaling) else None
     curves = {"step": [], "train_loss": [], "val_step": [], "val_loss": []}
     bar = Progress(cfg.steps, name, enabled=progress)
     tokens_per_step = cfg.batch_size * cfg.model.block_size

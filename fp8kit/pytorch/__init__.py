@@ -3,7 +3,8 @@
 
 import torch
 
-from . import distributed
+from . import attention, distributed
+from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .distributed import apply_pending_updates
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -43,6 +44,7 @@ from .rng import CudaRNGStatesTracker
 from .stats import disable_stats, enable_stats, format_stats, reset_stats, stats, stats_to_csv
 from .tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage
 from .tensor.float8_tensor import make_float8_tensor
+from .transformer import TransformerLayer
 
 torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights_only=True) rebuilds Float8Tensors
 
@@ -53,6 +55,8 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",
            "fp8_model_init",
+           "attention", "DotProductAttention", "MultiheadAttention", "InferenceParams", "RotaryPositionEmbedding",
+           "TransformerLayer",
            "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats",
            # Transformer Engine's availability queries (availability.py)
            "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",

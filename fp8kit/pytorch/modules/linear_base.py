@@ -157,7 +157,9 @@ class LinearBase(FP8StateMixin):
             raise RuntimeError(f"{self._kind}(tp_size={self.tp_size}) has no tensor-parallel group: call "
                                "set_tensor_parallel_group(group) before the first forward")
         applied_bias = None if self.return_bias else bias
-        call = self.begin_fp8_call((inp, weight, bias), weight.device)
+        # the parameters too: under a reentrant checkpoint's no_grad forward, a split weight (torch.cat) and a
+        # LayerNormLinear's norm output do not require grad, yet a recompute with a backward follows
+        call = self.begin_fp8_call((inp, weight, bias, *self.parameters(recurse=False)), weight.device)
         if call is None:
             if tp is None:
                 return F.linear(inp, weight, applied_bias)
