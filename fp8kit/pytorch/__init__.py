@@ -3,7 +3,7 @@
 
 import torch
 
-from . import distributed
+from . import distributed, optimizers
 from .autocast import autocast, fp8_autocast
 from .cast import quantize
 from .checkpoint import checkpoint
@@ -20,7 +20,7 @@ from .tensor.float8_tensor import make_float8_tensor
 torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights_only=True) rebuilds Float8Tensors
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
-           "Float8Tensor", "convert_model", "distributed",
+           "Float8Tensor", "convert_model", "distributed", "optimizers",
            "checkpoint", "CudaRNGStatesTracker", "DType", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "quantized_model_init", "fp8_model_init",
