@@ -34,6 +34,10 @@ def backward(model, recipe, gen, dtype):
     return loss.item()
 
 
+def values(p) -> torch.Tensor:
+    return p.dequantize() if isinstance(p, te.Float8Tensor) else p.detach()
+
+
 def fp8_bytes(p) -> np.ndarray:
     return p._data.contiguous().view(torch.uint8).numpy()
 
@@ -168,16 +172,14 @@ def test_decoupled_grad_reads_decoupled_grad():
                 assert all(p.decoupled_grad is None for p in model.parameters())
         runs.append(model)
     for a, b in zip(*(m.parameters() for m in runs)):
-        assert torch.equal(a.detach().view(torch.uint8) if False else a.dequantize() if isinstance(a, te.Float8Tensor)
-                           else a.detach(), b.dequantize() if isinstance(b, te.Float8Tensor) else b.detach())
+        assert torch.equal(values(a), values(b))
     # a step with the gradients in .grad only: nothing to update under use_decoupled_grad
     model = make_model(recipe, seed=3)
     opt = FusedAdam(model.parameters(), master_weights=True, use_decoupled_grad=True)
     backward(model, recipe, torch.Generator().manual_seed(4), torch.float32)
-    before = [p.dequantize() if isinstance(p, te.Float8Tensor) else p.detach().clone() for p in model.parameters()]
+    before = [values(p).clone() for p in model.parameters()]
     opt.step()
-    assert all(torch.equal(a, b.dequantize() if isinstance(b, te.Float8Tensor) else b.detach())
-               for a, b in zip(before, model.parameters()))
+    assert all(torch.equal(a, values(b)) for a, b in zip(before, model.parameters()))
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])

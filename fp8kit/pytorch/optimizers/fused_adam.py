@@ -122,6 +122,7 @@ class FusedAdam(torch.optim.Optimizer):
             raise TypeError(f"FusedAdam: bias_correction must be a bool, got {group['bias_correction']!r}")
         for p in group["params"]:
             self._check_param(p)
+        group.setdefault("step", 0)  # present from the start, so that distributed checkpointing loads it
 
     def _check_param(self, p: torch.Tensor) -> None:
         local = local_tensor(p)
@@ -273,7 +274,7 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             # as Transformer Engine: one step counter per group, advanced even when the group is empty here
-            group["step"] = group.get("step", 0) + 1
+            group["step"] += 1
             self._step_group(group)
         return loss
 
