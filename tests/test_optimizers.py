@@ -276,3 +276,39 @@ def test_fused_sgd_equals_torch_sgd(kw, dtype):
         FusedSGD(a.parameters(), lr=0.1, nesterov=True)
     with pytest.raises(TypeError, match="lr is required"):
         FusedSGD(a.parameters())
+
+
+def test_main_grad_and_decoupled_grad_as_in_the_te_example():
+    """The gradient flow of Transformer Engine's quantized_model_init example on Linear layers: fuse_wgrad_accumulation
+    writes dW into float32 `main_grad`, the other gradients are copied there, FusedAdam reads `decoupled_grad`. The
+    FP8 weights end equal to those of the plain `.grad` path."""
+    recipe = RECIPES["current"]
+    runs = []
+    for fused in (False, True):
+        torch.manual_seed(5)
+        with te.quantized_model_init(recipe=recipe):
+            model = torch.nn.Sequential(te.Linear(32, 48, fuse_wgrad_accumulation=fused), torch.nn.GELU(),
+                                        te.Linear(48, 16, fuse_wgrad_accumulation=fused))
+        params = list(model.parameters())
+        if fused:
+            for p in params:
+                p.main_grad = torch.zeros(p.shape, dtype=torch.float32)
+        opt = FusedAdam(params, lr=1e-2, master_weights=True, use_decoupled_grad=fused)
+        gen = torch.Generator().manual_seed(6)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=True)
+            if fused:
+                for p in params:
+                    p.main_grad.zero_()
+            backward(model, recipe, gen, torch.float32)
+            if fused:
+                assert model[0].weight.grad is None and model[0].weight.main_grad.abs().sum() > 0
+                for p in params:
+                    if p.grad is not None:
+                        p.main_grad.copy_(p.grad)
+                        p.grad = None
+                    p.decoupled_grad = p.main_grad
+            opt.step()
+        runs.append(params)
+    for a, b in zip(*runs):
+        assert torch.equal(values(a), values(b))
