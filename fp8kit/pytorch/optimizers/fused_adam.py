@@ -274,7 +274,7 @@ class FusedAdam(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             # as Transformer Engine: one step counter per group, advanced even when the group is empty here
-            group["step"] += 1
+            group["step"] = group.get("step", 0) + 1
             self._step_group(group)
         return loss
 
