@@ -313,14 +313,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=_positive_int, help="interleaved rounds per shape (default 9, --quick 3)")
     parser.add_argument("--shape", type=_shape, action="append", dest="shapes", metavar="MxKxN",
                         help="a shape to time instead of the defaults (repeatable)")
+    parser.add_argument("--memory", action="store_true", help="instead of timing: parameter and training-step memory "
+                        "of a small GPT with FP8 weights against bf16 weights (fp8kit/bench_memory.py)")
     parser.set_defaults(run=_run, subparser=parser)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from fp8kit.cli import device_argument
 
-    report = run_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes)
-    print(format_report(report))
+    if args.memory:
+        from fp8kit.bench_memory import format_memory_report, run_memory_bench
+
+        report = run_memory_bench(device_argument(parser, args.device), args.quick)
+        print(format_memory_report(report))
+    else:
+        report = run_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes)
+        print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -3,7 +3,7 @@
 
 import torch
 
-from . import attention, distributed
+from . import attention, distributed, optimizers
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .distributed import apply_pending_updates
 from .autocast import autocast, fp8_autocast
@@ -50,7 +50,7 @@ torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
-           "Float8Tensor", "convert_model", "distributed",
+           "Float8Tensor", "convert_model", "distributed", "optimizers",
            "checkpoint", "CudaRNGStatesTracker", "make_graphed_callables", "apply_pending_updates", "DType", "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",

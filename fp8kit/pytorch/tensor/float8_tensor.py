@@ -98,6 +98,20 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         return Float8Tensor(dtype=dtype, data=inner["_data"], fp8_scale_inv=inner["_scale_inv"],
                             data_transpose=inner.get("_transpose"))
 
+    # ---- FSDP2 all-gather extension (fully_shard gathers the FP8 bytes; see fp8kit/pytorch/fsdp.py) ----
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        """FSDP2 hook before a parameter's all-gather: this shard's FP8 bytes and the metadata to rebuild it."""
+        from .. import fsdp
+
+        return fsdp.pre_all_gather(self, mesh, orig_size)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """FSDP2 hook after a parameter's all-gather: the gathered Float8Tensor (or `out` updated in place)."""
+        from .. import fsdp
+
+        return fsdp.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+
     # ---- operations ----
 
     @classmethod
@@ -201,6 +215,41 @@ _HANDLERS = {
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
 }
+
+
+# ---- FSDP2 (fully_shard) support: the operations FSDP2 applies to a parameter it shards and gathers -----------------
+# (issue 14; the all-gather extension itself, `fsdp_pre_all_gather` / `fsdp_post_all_gather`, lives in
+# fp8kit/pytorch/fsdp.py). Sharding takes `torch.chunk` (split, above), `new_zeros` for the padded shard, `narrow`
+# (slice, above) + `copy_` into it, `view(-1)`; the gathered parameter is an `as_strided` view of the all-gather
+# output. All stay FP8: new tensors share the source's scale value (a copy) and quantizer.
+
+def _fresh(t, size, dtype, device, pin_memory, fill):
+    """A new Float8Tensor of `size` like `t` (its format, scale value and quantizer), or NotImplemented when another
+    nominal dtype is asked for (then the op runs on dequantized values and returns a plain tensor)."""
+    if dtype is not None and dtype != t.dtype:
+        return NotImplemented
+    device = t.device if device is None else torch.device(device)
+    data = (torch.zeros if fill else torch.empty)(tuple(size), dtype=t._data.dtype, device=device,
+                                                  pin_memory=bool(pin_memory))
+    return _like(t, data, t.scale_inv.detach().clone().to(device))
+
+
+def _as_strided(t, size, stride, storage_offset=None):
+    # the wrapper's storage offset 0 is the data's first element (Float8Tensor wrappers start at offset 0)
+    offset = t._data.storage_offset() + (0 if storage_offset is None else storage_offset - t.storage_offset())
+    return _like(t, t._data.as_strided(size, stride, offset))
+
+
+_HANDLERS.update({
+    aten.new_zeros.default: lambda t, size, *, dtype=None, layout=None, device=None, pin_memory=None:
+        _fresh(t, size, dtype, device, pin_memory, True),
+    aten.new_empty.default: lambda t, size, *, dtype=None, layout=None, device=None, pin_memory=None:
+        _fresh(t, size, dtype, device, pin_memory, False),
+    aten.empty_like.default: lambda t, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None:
+        _fresh(t, t.shape, dtype, device, pin_memory, False),
+    aten.as_strided.default: _as_strided,
+    aten._pin_memory.default: lambda t, device=None: _like(t, t._data.pin_memory(), t.scale_inv.pin_memory()),
+})
 
 
 # ---- quantizers -------------------------------------------------------------------------------------------------
