@@ -14,7 +14,8 @@ owns privately (not a submodule) and hands a transposed view of its weight at ev
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Iterator, Optional
 
 import torch
 from transformers.pytorch_utils import Conv1D as HFConv1D
@@ -73,18 +74,25 @@ class Conv1D(HFConv1D):
     def fp8_stats(self, value) -> None:
         self.fp8_engine.fp8_stats = value
 
-    def _bind(self) -> Linear:
+    @contextlib.contextmanager
+    def _bound(self) -> Iterator[Linear]:
+        """The engine holding this module's parameters for one call (not longer: copies and pickles of the module
+        must not carry tensors of an old autograd graph)."""
         engine = self.fp8_engine
         # Linear's [out, in] layout, contiguous so that its GEMMs see exactly what they see in a Linear; autograd
         # carries the gradient back into this module's Parameter.
         engine.weight = self.weight.t().contiguous()
         engine.bias = None if self.bias is None else self.bias.view(-1)
         engine.training = self.training
-        return engine
+        try:
+            yield engine
+        finally:
+            del engine.weight, engine.bias
 
     def forward(self, x: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
         """`x` `[..., nx]` -> `[..., nf]`."""
-        return self._bind()(x, is_first_microbatch=is_first_microbatch)
+        with self._bound() as engine:
+            return engine(x, is_first_microbatch=is_first_microbatch)
 
     # The FP8 state goes into and comes out of state_dict() under this module's own prefix.
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -97,9 +105,9 @@ class Conv1D(HFConv1D):
                                       error_msgs)
         fp8_keys = {k: v for k, v in state_dict.items() if k.startswith(prefix + "fp8_meta.")}
         if fp8_keys:  # the engine takes them off unexpected_keys and loads (or reports) them
-            self._bind()
-            self.fp8_engine._load_from_state_dict(fp8_keys, prefix, local_metadata, strict, missing_keys,
-                                                  unexpected_keys, error_msgs)
+            with torch.no_grad(), self._bound() as engine:
+                engine._load_from_state_dict(fp8_keys, prefix, local_metadata, strict, missing_keys,
+                                             unexpected_keys, error_msgs)
 
     def __repr__(self) -> str:
         return f"Conv1D(nf={self.nf}, nx={self.nx}, fp8kit)"
