@@ -241,3 +241,20 @@ def test_trainer_with_gradient_checkpointing(tmp_path):
         pytest.skip(f"FP8 recompute under gradient checkpointing is not fixed yet (issue 11): {type(e).__name__}")
     assert losses(checkpointed) == losses(plain)
     assert_same_state(plain.model, checkpointed.model)
+
+
+def test_example_script(tmp_path):
+    import pathlib
+    import subprocess
+    import sys
+
+    script = pathlib.Path(__file__).parents[1] / "examples" / "hf_trainer.py"
+    result = subprocess.run([sys.executable, str(script), "--steps", "4", "--out", str(tmp_path / "out")],
+                            capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stdout.splitlines() if not line.startswith("{")]
+    assert lines[0].startswith("trained 4 steps in FP8: training loss ") and lines[0].endswith(
+        "4 delayed-scaling updates")
+    assert lines[1].startswith("evaluation (bf16, outside FP8): loss ")
+    assert lines[2] == (f"resumed from {tmp_path / 'out'}/checkpoint-2: final weights and FP8 state (84 fp8_meta "
+                        "tensors) bit-identical to the uninterrupted run")
