@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--max-chars", type=_positive_int, default=1_000_000,
                       help="corpus size cap in characters (default: 1000000)")
     demo.add_argument("--no-stats", action="store_true", help="do not record FP8 numerics statistics")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     demo.set_defaults(run=_run_demo, subparser=demo)
 
     from fp8kit import bench

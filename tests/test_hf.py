@@ -240,6 +240,12 @@ def test_load_pretrained_refuses_what_it_cannot_place(text, tmp_path):
     loaded = load_pretrained(te.convert_model(gpt2()), str(tmp_path / "bin"))
     assert torch.equal(loaded.transformer.h[0].attn.c_attn.fp8_meta["scaling_bwd"].amax_history,
                        model.transformer.h[0].attn.c_attn.fp8_meta["scaling_bwd"].amax_history)
+    stock = gpt2()
+    stock.save_pretrained(tmp_path / "stock")  # no FP8 state: loads as it is, the layers start fresh
+    converted = load_pretrained(te.convert_model(gpt2()), str(tmp_path / "stock"))
+    assert converted.transformer.h[0].mlp.c_proj.fp8_meta["scaling_fwd"] is None
+    assert torch.equal(converted.transformer.h[1].mlp.c_proj.weight, stock.transformer.h[1].mlp.c_proj.weight)
+    assert converted.lm_head.weight is converted.transformer.wte.weight  # tied, saved once
     with pytest.raises(NotADirectoryError, match="save_pretrained directory"):
         load_pretrained(model, str(tmp_path / "nowhere"))
     with pytest.raises(FileNotFoundError, match="no model.safetensors"):
