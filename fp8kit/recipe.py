@@ -19,10 +19,10 @@ __all__ = ["Format", "Recipe", "DelayedScaling", "Float8CurrentScaling", "QParam
 
 # Largest finite float32; an infinite scale is replaced by it.
 FLT_MAX = 3.4028234663852886e38
-# Smallest scale fp8kit ever uses: the smallest normal float32, 2**-126. Its reciprocal, 2**126, is finite, so a
-# scale never makes `scale_inv` (and dequantized values) overflow. Computed scales are clamped to
-# [SCALE_MIN, FLT_MAX].
-SCALE_MIN = 2.0 ** -126
+# Smallest scale fp8kit ever uses, 2**-63: the product of two reciprocals (a GEMM's `scale_inv_a * scale_inv_b`) is
+# then at most 2**126, so neither dequantized values nor GEMM results overflow because of a scale. Computed scales
+# are clamped to [SCALE_MIN, FLT_MAX]; only amaxes above fp8_max * 2**(63 - margin) reach the lower bound.
+SCALE_MIN = 2.0 ** -63
 
 
 def f32(value: float) -> float:
@@ -227,7 +227,7 @@ class DelayedScaling(Recipe):
             _fail("interval", f"expected an int >= 1, got {self.interval!r}")
         _check_format(self.fp8_format)
         for fp8_max in {self.fp8_format.value.max_fwd, self.fp8_format.value.max_bwd}:
-            if self.scaled_max(fp8_max) < SCALE_MIN:
+            if self.scaled_max(fp8_max) < 2.0 ** -126:  # below float32's normal range
                 _fail("margin", f"{self.margin!r} is too large: fp8_max * 2**-margin = {fp8_max} * 2**-{self.margin} "
                       "is below the float32 normal range, so no scale could be computed")
         length = self.amax_history_len

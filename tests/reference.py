@@ -17,8 +17,8 @@ FP8 = {
     "e5m2": (ml_dtypes.float8_e5m2, 57344.0),
 }
 FLT_MAX = np.float32(np.finfo(np.float32).max)
-# smallest scale ever used: the smallest normal float32 (its reciprocal stays finite)
-SCALE_MIN = np.float32(np.finfo(np.float32).tiny)
+# smallest scale ever used: 2**-63, so that the product of two reciprocals (a GEMM's alpha) stays finite
+SCALE_MIN = np.float32(2.0 ** -63)
 
 
 def amax(x: np.ndarray) -> np.float32:

@@ -141,7 +141,7 @@ def test_bad_fp8_entries_get_clear_errors():
     with pytest.raises(RuntimeError, match="fp8_meta.scaling_bwd: missing update_count"):
         te.Linear(16, 16).load_state_dict(missing)
     zero_scale = dict(sd, **{"fp8_meta.scaling_fwd.scale": torch.zeros(3)})
-    with pytest.raises(RuntimeError, match="not finite and > 0"):
+    with pytest.raises(RuntimeError, match="not finite and within"):
         te.Linear(16, 16).load_state_dict(zero_scale)
 
 

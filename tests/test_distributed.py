@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import fp8kit.pytorch as te
-from fp8kit.pytorch import distributed as fdist
+from fp8kit.pytorch.amax_reduction import mismatch_message
 
 from dist_launch import check_result, launch
 
@@ -23,6 +23,8 @@ pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="to
 
 TWO_RANKS = ["amax_reduction", "moe_skip", "unused_key_keeps_state", "registration_mismatch", "tp_linear",
              "tp_mlp_bf16", "ddp", "ddp_unused_expert", "fsdp2"]
+RULES = ["rule_caught_exception", "rule_no_grad_step", "rule_different_groups", "rule_different_reduce_amax",
+         "rule_slow_rank_is_fine"]
 FOUR_RANKS = ["tp_dp_4_ranks", "moe_skip", "amax_reduction"]
 
 
@@ -39,6 +41,17 @@ def four_ranks():
 @pytest.mark.parametrize("check", TWO_RANKS)
 def test_two_ranks(two_ranks, check):
     check_result(two_ranks, check)
+
+
+@pytest.fixture(scope="module")
+def rule_breakers():
+    return launch(2, RULES, timeout=90)
+
+
+@pytest.mark.parametrize("check", RULES)
+def test_rule_violations_end_in_errors_on_every_rank(rule_breakers, check):
+    """Each violation raises an fp8kit DistributedRuleError on every rank within seconds, never a hang."""
+    check_result(rule_breakers, check)
 
 
 @pytest.mark.parametrize("check", FOUR_RANKS)
@@ -61,10 +74,12 @@ def test_example_runs_under_torchrun(tmp_path):
 def test_tensor_parallel_arguments_are_validated():
     with pytest.raises(ValueError, match="parallel_mode"):
         te.Linear(16, 16, parallel_mode="diagonal")
-    with pytest.raises(ValueError, match="sequence_parallel=True needs parallel_mode"):
-        te.Linear(16, 16, sequence_parallel=True)
+    # as in Transformer Engine, sequence parallelism takes effect only with a parallel mode and more than one rank
+    assert te.Linear(16, 16, sequence_parallel=True).sequence_parallel is False
     with pytest.raises(TypeError, match="sequence_parallel must be a bool"):
         te.Linear(16, 16, parallel_mode="row", sequence_parallel=1)
+    with pytest.raises(ValueError, match="tp_size"):
+        te.Linear(16, 16, tp_size=0)
     if not torch.distributed.is_initialized():
         with pytest.raises(ValueError, match="not initialised"):
             te.Linear(16, 16, parallel_mode="column", tp_group=object())
@@ -82,9 +97,9 @@ def test_no_tp_group_means_an_ordinary_layer():
 def test_mismatch_message_names_ranks_counts_and_position():
     a = {"key": "k", "states": [["Linear(a)", 3, 4], ["Linear(b)", 3, 4]]}
     b = {"key": "k", "states": [["Linear(a)", 3, 4]]}
-    msg = fdist._mismatch_message("forward", "k", (0, 1, 2), [a, a, b])
+    msg = mismatch_message("forward", "k", (0, 1, 2), [a, a, b])
     assert "ranks 0 and 2" in msg and "rank 0 has 2 modules, rank 2 has 1" in msg and "position 1" in msg
     assert "Linear(b) [3 slots, history 4]" in msg and "rank 2 has nothing" in msg
-    assert fdist._mismatch_message("forward", "k", (0, 1), [a, a]) is None
-    other_key = fdist._mismatch_message("backward", "k", (0, 1), [a, {"key": "j", "states": a["states"]}])
+    assert mismatch_message("forward", "k", (0, 1), [a, a]) is None
+    other_key = mismatch_message("backward", "k", (0, 1), [a, {"key": "j", "states": a["states"]}])
     assert "different autocast keys" in other_key

@@ -1,14 +1,16 @@
-"""The autocast context: a context-local stack of frames, the registry of delayed-scaling states it owns, and
-when the batched updates run (SPEC section 6).
+"""The autocast context: a context-local stack of frames, and when the batched updates run (SPEC section 6).
 
 - A module registers its forward and backward states on its first FP8 (or calibrating) forward, under the key
-  `(recipe, amax_reduction_group)`.
-- Forward states of every key used in a step are updated when the outermost autocast exits, if grad is enabled.
+  `(recipe, amax_reduction_group)` (fp8kit.pytorch.registry).
+- Forward states of every key used in a step are updated when the outermost autocast exits, if grad is enabled (or
+  inside a reentrant activation checkpoint's forward).
 - Backward states are updated once the backward of every FP8 module call of that step has run.
 - With amax reduction active (`reduce_amax=True` and torch.distributed initialised) every update is collective
-  (`distributed.reduced_update`): at the outermost exit, every delayed-scaling key entered in the step is updated on
+  (`amax_reduction.reduced_update`): at the outermost exit, every delayed-scaling key entered in the step is updated on
   every rank, whether or not this rank ran a module of it; backward updates are deferred to the next outermost entry
-  with grad enabled (`_PENDING_BACKWARD`), a point every rank reaches in the same order. See docs/distributed.md.
+  with grad enabled, a point every rank reaches in the same order. See docs/distributed.md.
+- An outermost autocast left by an exception updates nothing and discards its step's forward amaxes.
+- A context entered while a backward runs (activation recompute) updates nothing (fp8kit.pytorch.recompute).
 """
 
 from __future__ import annotations
@@ -16,44 +18,24 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
-from .state import ScalingState, update_states
+from . import registry
+from .recompute import in_backward, in_reentrant_checkpoint, release_step
+from .registry import register as _register_states
+from .registry import registry_states
+from .state import ScalingState
 
-__all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states"]
+__all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states", "register", "has_pending_backward",
+           "run_pending_backward", "Frame"]
 
-
-class _KeyStates:
-    """The states registered under one registry key, in registration order (held weakly)."""
-
-    def __init__(self, recipe: DelayedScaling, group):
-        self.recipe = recipe
-        self.group = group
-        self.forward: List[weakref.ref] = []
-        self.backward: List[weakref.ref] = []
-        self.version = 0  # bumped whenever the registered set changes (the distributed registration check)
-        self.backward_ran = False  # a step's backwards completed since the last reduced backward update
-
-    def live(self, which: str, key) -> List[ScalingState]:
-        refs = getattr(self, which)
-        states = [r() for r in refs]
-        states = [s for s in states if s is not None and s.key == key]
-        if len(states) != len(refs):  # drop states of deleted or re-registered modules
-            setattr(self, which, [weakref.ref(s) for s in states])
-            self.version += 1
-        return states
-
-
-# The registry: (recipe, group) -> states. Keys compare every recipe field (frozen dataclasses).
-_REGISTRY: Dict[Tuple[Recipe, object], _KeyStates] = {}
-
-# Keys whose reduced backward update waits for the next outermost autocast entry (insertion order = update order).
-_PENDING_BACKWARD: Dict[tuple, None] = {}
+# Keys whose reduced backward update waits for the next outermost autocast entry, with the number of the step they
+# belong to (insertion order = update order, the same on every rank).
+_PENDING_BACKWARD: Dict[tuple, int] = {}
 
 
 class _Step:
@@ -62,8 +44,9 @@ class _Step:
     def __init__(self):
         self.forward_keys: Dict[tuple, None] = {}
         self.backward_keys: Dict[tuple, None] = {}
-        self.entered: Dict[tuple, None] = {}  # keys of the delayed-scaling frames entered, in order
+        self.entered: Dict[tuple, int] = {}  # delayed-scaling keys entered, in order -> the key's step number
         self.pending_backward = 0
+        self.backward_finished = False  # the step's backward update has run
         self.lock = threading.Lock()
 
     def forward_called(self, key, needs_backward: bool) -> None:
@@ -83,11 +66,25 @@ class _Step:
             if run:
                 self.backward_keys = {}
         if run:
+            self.backward_finished = True
+            release_step(self)  # no recompute of this step is left to come
             for key in keys:
-                if _reduces(key):  # collective: deferred to the next outermost entry (_run_pending_backward)
-                    _REGISTRY[key].backward_ran = True
+                if registry.reduces(key):  # collective: deferred to the next outermost entry
+                    registry.entry(key).backward_ran = True
                 else:
-                    _update_key(key, "backward")
+                    registry.update_key(key, "backward")
+
+    def abort(self) -> None:
+        """An exception left the outermost autocast: clear the forward staging amaxes of the keys this step used
+        (they are not merged into the next update) and note the aborted step for distributed error messages."""
+        for key in self.forward_keys:
+            found = registry.entry(key)
+            if found is not None:
+                for state in found.live("forward", key):
+                    with torch.no_grad():
+                        state.amax_history[0].zero_()
+        for key, seq in self.entered.items():
+            registry.entry(key).abort_step(seq)
 
 
 @dataclass(frozen=True)
@@ -99,6 +96,7 @@ class Frame:
     recipe: Recipe
     group: object
     step: _Step = field(compare=False)
+    replay: bool = field(default=False, compare=False)  # entered by a recompute during backward: updates nothing
 
     @property
     def key(self) -> tuple:
@@ -121,60 +119,24 @@ def current_frame() -> Optional[Frame]:
 
 def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> None:
     """Register a module's states under the frame's key (moving them from another key if needed)."""
-    key = frame.key
-    entry = _REGISTRY.get(key)
-    if entry is None:
-        entry = _REGISTRY[key] = _KeyStates(frame.recipe, frame.group)
-    for state, which in ((forward, "forward"), (backward, "backward")):
-        if state.key != key:
-            state.key = key
-            getattr(entry, which).append(weakref.ref(state))
-            entry.version += 1
-
-
-def registry_states(recipe: Recipe, group=None) -> Tuple[List[ScalingState], List[ScalingState]]:
-    """The live (forward, backward) states registered under `(recipe, group)`."""
-    key = (recipe, group)
-    entry = _REGISTRY.get(key)
-    if entry is None:
-        return [], []
-    return entry.live("forward", key), entry.live("backward", key)
-
-
-def _reduce_group(recipe: DelayedScaling, group):
-    if not recipe.reduce_amax or not _dist_initialized():
-        return None
-    return True if group is None else group
-
-
-_DIST = []  # torch.distributed once imported (it is not imported with torch on every build)
-
-
-def _dist_initialized() -> bool:
-    if not _DIST:
-        import torch.distributed as dist
-
-        _DIST.append(dist)
-    dist = _DIST[0]
-    return dist.is_available() and dist.is_initialized()
-
-
-def _reduces(key) -> bool:
-    return _reduce_group(key[0], key[1]) is not None
+    _register_states(frame.recipe, frame.group, forward, backward)
 
 
 def _update_step(step: _Step) -> None:
     """The forward updates at the outermost exit; collective for the keys with amax reduction."""
-    reduced = [key for key in step.entered if _reduces(key)]
+    reduced = [key for key in step.entered if registry.reduces(key)]
     for key in step.forward_keys:
         if key not in reduced:
-            _update_key(key, "forward")
-    if reduced:
-        from .distributed import reduced_update
+            registry.update_key(key, "forward")
+    if registry.dist_initialized():
+        from .amax_reduction import check_local_key, reduced_update
 
+        for key in step.entered:
+            if key not in reduced:
+                check_local_key(key)
         for key in reduced:
-            reduced_update(key, "forward", key in step.forward_keys)
-            _PENDING_BACKWARD[key] = None
+            reduced_update(key, "forward", key in step.forward_keys, step.entered[key])
+            _PENDING_BACKWARD[key] = step.entered[key]
 
 
 def has_pending_backward(state: ScalingState) -> bool:
@@ -182,32 +144,23 @@ def has_pending_backward(state: ScalingState) -> bool:
     return state.key in _PENDING_BACKWARD
 
 
-def _run_pending_backward() -> None:
+def run_pending_backward() -> None:
     """The deferred backward updates of reduced keys, in the order their steps exited (the same on every rank)."""
-    from .distributed import reduced_update
+    if not _PENDING_BACKWARD:
+        return
+    from .amax_reduction import reduced_update
 
     while _PENDING_BACKWARD:
         key = next(iter(_PENDING_BACKWARD))
-        del _PENDING_BACKWARD[key]
-        entry = _REGISTRY.get(key)
-        used = entry is not None and entry.backward_ran
-        if entry is not None:
-            entry.backward_ran = False
-        if _reduces(key):
-            reduced_update(key, "backward", used)
+        seq = _PENDING_BACKWARD.pop(key)
+        found = registry.entry(key)
+        used = found is not None and found.backward_ran
+        if found is not None:
+            found.backward_ran = False
+        if registry.reduces(key):
+            reduced_update(key, "backward", used, seq)
         elif used:  # torch.distributed was shut down meanwhile: a local update
-            _update_key(key, "backward")
-
-
-def _update_key(key, which: str) -> None:
-    entry = _REGISTRY.get(key)
-    if entry is None:
-        return
-    states = entry.live(which, key)
-    recipe = entry.recipe
-    fmt = recipe.fp8_format.value
-    fp8_max = fmt.max_fwd if which == "forward" else fmt.max_bwd
-    update_states(states, recipe, fp8_max)
+            registry.update_key(key, "backward")
 
 
 def _check_recipe(recipe) -> Recipe:
@@ -238,26 +191,39 @@ def autocast(
       must enter and exit the same autocast contexts in the same order (docs/distributed.md).
 
     Contexts nest; an inner one may change `enabled` or the recipe for its scope. Forward updates run when the
-    outermost context exits (if grad is enabled then); backward updates run after the step's FP8 backwards, or,
-    with amax reduction, at the next outermost entry with grad enabled (`distributed.apply_pending_updates()` runs
-    them now).
+    outermost context exits (if grad is enabled then, or inside a reentrant activation checkpoint's forward);
+    backward updates run after the step's FP8 backwards, or, with amax reduction, at the next outermost entry with
+    grad enabled (`distributed.apply_pending_updates()` runs them now). An outermost context left by an exception
+    updates nothing and discards the forward amaxes its step recorded. A context entered while a backward runs
+    (activation recompute) updates nothing: its modules repeat their original forward (fp8kit.pytorch.recompute).
     """
     if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
         raise TypeError(f"autocast: enabled and calibrating must be bools, got {enabled!r} and {calibrating!r}")
     recipe = _check_recipe(recipe)
     stack = _STACK.get()
+    if in_backward() or (stack and stack[-1].replay):
+        token = _STACK.set(stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, _Step(), True),))
+        try:
+            yield
+        finally:
+            _STACK.reset(token)
+        return
     if not stack and _PENDING_BACKWARD and torch.is_grad_enabled():
-        _run_pending_backward()
+        run_pending_backward()
     step = stack[0].step if stack else _Step()
     frame = Frame(enabled, calibrating, recipe, amax_reduction_group, step)
-    if frame.records_amax:
-        step.entered.setdefault(frame.key, None)
+    if frame.records_amax and frame.key not in step.entered:
+        step.entered[frame.key] = registry.key_entry(recipe, amax_reduction_group).begin_step(torch.is_grad_enabled())
     token = _STACK.set(stack + (frame,))
     try:
         yield
+    except BaseException:
+        if not stack:
+            step.abort()
+        raise
     finally:
         _STACK.reset(token)
-    if not stack and torch.is_grad_enabled():
+    if not stack and (torch.is_grad_enabled() or in_reentrant_checkpoint()):
         _update_step(step)
 
 

@@ -28,14 +28,20 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """`max |x|` over the non-NaN elements as a 0-d float32 tensor (0 for an empty or all-NaN tensor)."""
     if x.numel() == 0:
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    if not host.active(x.device):  # accelerators (and CPU tensors inside host.tensor_path(), as the tests run it)
+        return _device_amax(x)
     lo, hi = torch.aminmax(x)
     a = torch.maximum(hi, -lo).float()  # NaN if x holds a NaN
-    if x.device.type == "cpu":
-        if not torch.isnan(a):
-            return a
-        return torch.where(torch.isnan(x), 0, x.abs()).amax().float()
-    # On accelerators avoid a host sync: compute the NaN-free amax too and pick.
-    return torch.where(torch.isnan(a), torch.where(torch.isnan(x), 0, x.abs()).amax().float(), a)
+    if not torch.isnan(a):
+        return a
+    return torch.where(torch.isnan(x), 0, x.abs()).amax().float()
+
+
+def _device_amax(x: torch.Tensor) -> torch.Tensor:
+    """`amax` on accelerators, without a host sync: NaN becomes 0 (infinities kept), then one max|.| reduction.
+    Two kernels (eager torch has no NaN-ignoring max); the Triton kernels (fp8kit.pytorch.kernels) need one."""
+    clean = torch.nan_to_num(x, nan=0.0, posinf=math.inf, neginf=-math.inf)
+    return torch.linalg.vector_norm(clean, math.inf).float()
 
 
 def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
@@ -81,8 +87,13 @@ def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: t
     """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element or a float
     holding a float32 value. `saturate=False` skips the clamp, for callers that know no product exceeds fp8_max."""
     fp8_max = FP8_MAX[fp8_dtype]
-    # x.float() first: a 0-d float32 scale would not promote a bf16 tensor to float32.
-    y = x.float().mul_(scale) if x.dtype != torch.float32 else x * scale
+    if not host.active(x.device) and x.dtype in (torch.bfloat16, torch.float16) and isinstance(scale, torch.Tensor):
+        # Accelerators: one multiply kernel reads x and writes the float32 product (a one-element 1-d scale takes
+        # part in type promotion, a 0-d one would not), instead of a float32 copy of x multiplied in place.
+        y = torch.mul(x, scale.reshape(1)).reshape(x.shape)
+    else:
+        # x.float() first: a 0-d float32 scale would not promote a bf16 tensor to float32.
+        y = x.float().mul_(scale) if x.dtype != torch.float32 else x * scale
     if saturate:
         y.clamp_(-fp8_max, fp8_max)  # clamp keeps NaN
     return y.to(fp8_dtype)

@@ -1,17 +1,6 @@
-"""fp8kit on torch.distributed: the amax all-reduce of delayed scaling with its registration check, and the
-collectives of tensor-parallel Linear layers (SPEC section 9; docs/distributed.md explains the choices).
-
-Amax reduction. With `DelayedScaling(reduce_amax=True)` and torch.distributed initialised, every update of a registry
-key `(recipe, amax_reduction_group)` is collective: each rank all-reduces (MAX) ONE float32 tensor
-
-    [changed, used, key_hash, -key_hash, staging row of every slot under the key, in registration order]
-
-- `changed` (any rank's registered states differ from the last agreed set): the ranks exchange a fingerprint of their
-  states (all-gather: lengths, then bytes), raise `RegistrationMismatchError` on every rank if they differ, and
-  otherwise all-reduce the staging rows of the new set. This only happens when registration changes (first steps).
-- `used` (any rank ran a module of the key this step): 0 everywhere means nothing rolls and no scale changes.
-- `key_hash`: max(h) == -max(-h) only when every rank is updating the same recipe and group at this point.
-The body always has the length agreed at the last check, so the collective's size matches on every rank.
+"""fp8kit on torch.distributed: the errors of amax reduction's rules, `apply_pending_updates`, and the
+collectives of tensor-parallel layers (SPEC section 9; docs/distributed.md explains the choices). The collective
+update itself lives in fp8kit.pytorch.amax_reduction.
 
 Tensor parallelism. `gather_along_first_dim`, `reduce_scatter_along_first_dim`, `all_reduce_sum` and
 `all_gather_fp8` (FP8 bytes moved as uint8) are what `Linear(parallel_mode=...)` calls; the sequence dimension is the
@@ -21,21 +10,25 @@ first dimension of the input, as in Transformer Engine (`[s, b, h]`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import weakref
-import zlib
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 from .tensor import Float8Tensor
 
-__all__ = ["RegistrationMismatchError", "apply_pending_updates", "label_states", "TensorParallel",
+__all__ = ["DistributedRuleError", "RegistrationMismatchError", "apply_pending_updates", "label_states",
+           "state_label", "group_ranks", "TensorParallel", "gather_with_grad",
            "all_gather_fp8", "gather_along_first_dim", "reduce_scatter_along_first_dim", "all_reduce_sum",
            "shard_linear_parameters"]
 
 
-class RegistrationMismatchError(RuntimeError):
+class DistributedRuleError(RuntimeError):
+    """Ranks of an amax reduction broke a rule they must keep together (docs/distributed.md, "Rules"): raised on
+    every rank of the group instead of collectives that never pair."""
+
+
+class RegistrationMismatchError(DistributedRuleError):
     """Ranks registered different FP8 modules (or are updating different autocast keys) for one amax reduction."""
 
 
@@ -61,15 +54,7 @@ def group_ranks(group) -> Tuple[int, ...]:
     return ranks
 
 
-def _collective_device(group, states) -> torch.device:
-    if states:
-        return states[0].scale.device
-    if "nccl" in str(_dist().get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-# ---- registration fingerprints ----------------------------------------------------------------------------------
+# ---- module labels in error messages ------------------------------------------------------------------------
 
 _LABELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -81,135 +66,9 @@ def label_states(label: str, *states) -> None:
             _LABELS[state] = label
 
 
-def _recipe_desc(recipe) -> str:
-    parts = []
-    for f in dataclasses.fields(recipe):
-        value = getattr(recipe, f.name)
-        if callable(value) and not isinstance(value, type):
-            value = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
-        else:
-            value = repr(value)
-        parts.append(f"{f.name}={value}")
-    return f"{type(recipe).__name__}({', '.join(parts)})"
-
-
-_KEY_DESC: Dict[tuple, Tuple[str, float]] = {}
-
-
-def _key_desc(key) -> Tuple[str, float]:
-    """(text, hash below 2**24 so that float32 holds it exactly) of a registry key, the same on every rank."""
-    found = _KEY_DESC.get(key)
-    if found is None:
-        recipe, group = key
-        text = f"recipe {_recipe_desc(recipe)}, group ranks {list(group_ranks(group))}"
-        found = _KEY_DESC[key] = (text, float((zlib.crc32(text.encode()) & 0xFFFFFF) + 1))
-    return found
-
-
-def _fingerprint(states) -> List[list]:
-    return [[_LABELS.get(s, "an unnamed FP8 module"), s.num_slots, s.history_len] for s in states]
-
-
-def _all_gather_bytes(payload: bytes, group, device) -> List[bytes]:
-    """Every rank's `payload`, in group order: lengths first, then the zero-padded bytes."""
-    dist = _dist()
-    n = len(group_ranks(group))
-    length = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    lengths = [torch.empty_like(length) for _ in range(n)]
-    dist.all_gather(lengths, length, group=group)
-    sizes = [int(t) for t in lengths]
-    buf = torch.zeros(max(sizes), dtype=torch.uint8, device=device)
-    buf[:len(payload)] = torch.tensor(list(payload), dtype=torch.uint8, device=device)
-    bufs = [torch.empty_like(buf) for _ in range(n)]
-    dist.all_gather(bufs, buf, group=group)
-    return [bytes(b[:size].cpu().tolist()) for b, size in zip(bufs, sizes)]
-
-
-def _describe(item) -> str:
-    label, slots, length = item
-    return f"{label} [{slots} slots, history {length}]"
-
-
-def _mismatch_message(which: str, key_text: str, ranks: Sequence[int], prints: List[dict]) -> Optional[str]:
-    first = prints[0]
-    for rank, other in zip(ranks[1:], prints[1:]):
-        if other == first:
-            continue
-        head = f"fp8kit: ranks {ranks[0]} and {rank} "
-        if other["key"] != first["key"]:
-            return (head + f"are updating different autocast keys: rank {ranks[0]} has {first['key']}; rank {rank} "
-                    f"has {other['key']}. Enter the same autocast contexts (recipe and amax_reduction_group) in the "
-                    "same order on every rank.")
-        a, b = first["states"], other["states"]
-        pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        what_a = _describe(a[pos]) if pos < len(a) else "nothing"
-        what_b = _describe(b[pos]) if pos < len(b) else "nothing"
-        return (head + f"registered different FP8 modules for one amax reduction ({key_text}, {which} states): "
-                f"rank {ranks[0]} has {len(a)} modules, rank {rank} has {len(b)}; first difference at position {pos}: "
-                f"rank {ranks[0]} has {what_a}, rank {rank} has {what_b}. Every rank must run the first FP8 forward "
-                "of every module under this autocast, in the same order (give idle modules, e.g. MoE experts "
-                "without tokens, an empty input in the first step); otherwise the all-reduce would mix the slots of "
-                "different modules.")
-    return None
-
-
-# ---- the collective update --------------------------------------------------------------------------------------
-
-@dataclasses.dataclass
-class _Agreed:
-    version: int  # the registry entry's version when the ranks last agreed
-    sizes: List[int]  # slots per state, in registration order
-
-
-_AGREED: Dict[Tuple[tuple, str], _Agreed] = {}
-
-
-def reduced_update(key, which: str, used: bool) -> None:
-    """The collective update of `which` ("forward" or "backward") states under registry `key`; every rank of the
-    key's group must call it at the same point. `used`: this rank ran a module of the key since the last update."""
-    from .autocast import _REGISTRY
-    from .state import update_states
-
-    dist = _dist()
-    recipe, group = key
-    entry = _REGISTRY.get(key)
-    states = entry.live(which, key) if entry is not None else []
-    version = entry.version if entry is not None else 0
-    agreed = _AGREED.get((key, which))
-    changed = agreed is None or agreed.version != version
-    device = _collective_device(group, states)
-    key_text, key_hash = _key_desc(key)
-    head = torch.tensor([float(changed), float(used), key_hash, -key_hash], dtype=torch.float32, device=device)
-    if changed or not states:
-        body = torch.zeros(sum(agreed.sizes) if agreed is not None else 0, dtype=torch.float32, device=device)
-    else:
-        body = torch.cat([s.amax_history[0] for s in states])
-    buf = torch.cat([head, body])
-    dist.all_reduce(buf, op=dist.ReduceOp.MAX, group=group)
-    any_changed, any_used, hash_max, neg_hash_max = buf[:4].tolist()
-    if hash_max != -neg_hash_max:
-        raise RegistrationMismatchError(
-            f"fp8kit: the ranks of group {list(group_ranks(group))} are updating different autocast keys at this "
-            f"point (this rank, {dist.get_rank()}: {key_text}). Enter the same autocast contexts (recipe and "
-            "amax_reduction_group) in the same order on every rank.")
-    staging = buf[4:]
-    if any_changed:
-        mine = {"key": key_text, "states": _fingerprint(states)}
-        prints = [json.loads(p) for p in _all_gather_bytes(json.dumps(mine).encode(), group, device)]
-        problem = _mismatch_message(which, key_text, group_ranks(group), prints)
-        if problem:
-            raise RegistrationMismatchError(problem)
-        _AGREED[(key, which)] = _Agreed(version, [s.num_slots for s in states])
-        if not any_used or not states:
-            return
-        staging = torch.cat([s.amax_history[0] for s in states])
-        dist.all_reduce(staging, op=dist.ReduceOp.MAX, group=group)
-    if not any_used or not states:
-        return
-    sizes = [s.num_slots for s in states]
-    torch._foreach_copy_([s.amax_history[0] for s in states], list(staging.split(sizes)))
-    fmt = recipe.fp8_format.value
-    update_states(states, recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd)
+def state_label(state) -> str:
+    """The name `label_states` gave `state` ("an unnamed FP8 module" if none)."""
+    return _LABELS.get(state, "an unnamed FP8 module")
 
 
 def apply_pending_updates() -> None:
@@ -217,11 +76,11 @@ def apply_pending_updates() -> None:
 
     Call it on every rank of the reduction group, outside autocast, before saving a checkpoint or reading
     `fp8_meta["scaling_bwd"]` after the last step. See docs/distributed.md."""
-    from .autocast import _run_pending_backward, current_frame
+    from .autocast import current_frame, run_pending_backward
 
     if current_frame() is not None:
         raise RuntimeError("apply_pending_updates: call it outside fp8kit.pytorch.autocast")
-    _run_pending_backward()
+    run_pending_backward()
 
 
 # ---- tensor parallelism -----------------------------------------------------------------------------------------
@@ -289,6 +148,26 @@ def all_gather_fp8(q: Float8Tensor, group) -> Float8Tensor:
     return Float8Tensor(data.view(q.fp8_dtype), q._scale_inv, q.dtype, q.scale_inv_value)
 
 
+class _GatherAlongFirstDim(torch.autograd.Function):
+    """All-gather along dim 0 whose backward reduce-scatters: every rank's use of the gathered tensor contributes a
+    partial gradient (the tensor-parallel convention)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return gather_along_first_dim(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_along_first_dim(grad, ctx.group), None
+
+
+def gather_with_grad(x: torch.Tensor, group) -> torch.Tensor:
+    """`gather_along_first_dim` with autograd: the gradient of the local block is the sum over ranks of their
+    gradients of it (a reduce-scatter)."""
+    return _GatherAlongFirstDim.apply(x, group)
+
+
 def reduce_scatter_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     """Sum `x` over the ranks and keep this rank's block of rows (dim 0 split in rank order)."""
     dist = _dist()
@@ -315,12 +194,12 @@ _SHARED_SCALES: Dict[Tuple[bool, object, object], bool] = {}
 def check_shared_scales(frame, tp: TensorParallel) -> None:
     """A quantized all-gather under delayed scaling needs every rank of the tensor-parallel group to hold the same
     scale, which amax reduction over a group that contains the tensor-parallel group guarantees."""
-    from .autocast import _reduce_group
+    from .registry import reduce_group
 
     cache_key = (frame.recipe.reduce_amax, frame.group, tp.group)
     ok = _SHARED_SCALES.get(cache_key)
     if ok is None:
-        ok = _reduce_group(frame.recipe, frame.group) is not None and \
+        ok = reduce_group(frame.recipe, frame.group) is not None and \
             set(group_ranks(tp.group)) <= set(group_ranks(frame.group))
         _SHARED_SCALES[cache_key] = ok
     if not ok:

@@ -1,13 +1,23 @@
 """The one place that multiplies FP8 tensors.
 
 `gemm(a, b)` computes `a @ b` for Float8Tensors `a` `[M, K]` and `b` `[K, N]` (any strides), accumulating in
-float32 and scaling by `a.scale_inv * b.scale_inv`. On CUDA it calls `torch._scaled_mm` (row-major `a`,
-column-major `b`); elsewhere it emulates the same arithmetic: FP8 values are exact in float32, the products and
-sums are float32, the result is scaled once.
+float32 and scaling by `a.scale_inv * b.scale_inv`. Three paths, chosen by the device and the formats:
+
+- CPU tensors: emulated (FP8 values are exact in float32 and bf16; float32 products and sums; scaled once).
+- Any other device (CUDA; `meta` in the tests): `torch._scaled_mm` (cuBLASLt), which wants `a` row-major and `b`
+  column-major, both FP8, and K and N multiples of 16. A Float8Tensor that carries `data_t` (the transposed bytes
+  the fused cast kernels write) gives the column-major operand without a copy; otherwise the operand is copied
+  into the layout. K and N that are not multiples of 16 are zero-padded (exact: zeros add nothing), which costs a
+  copy of the padded operands and of the output; a warning says so once per shape.
+- E5M2 x E5M2 (pure E5M2 recipes; cuBLASLt has no such kernel, and Transformer Engine refuses it): both operands
+  are widened to float32 on their device and multiplied there (`widened_gemm`), no host sync.
+
+Nothing here reads a device value on the host.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
@@ -15,21 +25,22 @@ import torch
 from . import host
 from .tensor import Float8Tensor
 
+_ALIGN = 16  # cuBLASLt FP8: K and N multiples of 16
+_warned_shapes: set = set()
 
-def check_cuda_shape(leading: int, in_features: int, out_features: int) -> None:
-    """FP8 GEMMs on CUDA need the product of the leading dims % 8 == 0 and both feature dims % 16 == 0."""
-    problems = []
-    if leading % 8:
-        problems.append(f"the product of the leading dimensions ({leading}) is not a multiple of 8")
-    if in_features % 16:
-        problems.append(f"in_features ({in_features}) is not a multiple of 16")
-    if out_features % 16:
-        problems.append(f"out_features ({out_features}) is not a multiple of 16")
-    if problems:
-        raise ValueError(
-            "FP8 GEMM on CUDA cannot take this shape: " + "; ".join(problems)
-            + ". Pad the input, or run this layer outside fp8kit.pytorch.autocast."
-        )
+
+def check_cuda_shape(leading: int, in_features: int, out_features: int) -> list:
+    """What an FP8 Linear of this shape costs on an accelerator: the list of dimensions `gemm` zero-pads to a
+    multiple of 16 (empty when none). It no longer raises: every shape runs (see the module docstring). `leading`
+    (the product of the leading dimensions) is padded only where it is the inner dimension of the wgrad GEMM."""
+    padded = []
+    if leading % _ALIGN:
+        padded.append(f"the product of the leading dimensions ({leading}; wgrad)")
+    if in_features % _ALIGN:
+        padded.append(f"in_features ({in_features})")
+    if out_features % _ALIGN:
+        padded.append(f"out_features ({out_features})")
+    return padded
 
 
 def gemm(
@@ -40,12 +51,109 @@ def gemm(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """`(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
-    if a.data.is_cuda and not (a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2):
-        return _scaled_mm(a, b, out_dtype, bias, use_fast_accum)
-    return _emulated(a, b, out_dtype, bias)
+    if a.data.device.type == "cpu":
+        return _emulated(a, b, out_dtype, bias)
+    if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+        return widened_gemm(a, b, out_dtype, bias)
+    return scaled_mm(a, b, out_dtype, bias, use_fast_accum)
+
+
+def _check_shapes(a: Float8Tensor, b: Float8Tensor, where: str):
+    if a.data.dim() != 2 or b.data.dim() != 2 or a.shape[1] != b.shape[0]:
+        raise ValueError(f"{where}: expected a [M, K] and b [K, N], got {tuple(a.shape)} and {tuple(b.shape)}")
+    if a.data.device != b.data.device:
+        raise ValueError(f"{where}: operands on different devices: {a.data.device} and {b.data.device}")
+    return a.shape[0], a.shape[1], b.shape[1]
+
+
+def widened_gemm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The FP8 GEMM on the operands' device by widening both to float32 (exact for every FP8 value, also under
+    TF32) and `torch.mm`; the product of the two `scale_inv` (float32) scales the float32 result, then the bias is
+    added and the result rounded once to `out_dtype`. Any formats, any shapes and layouts; no host sync."""
+    _check_shapes(a, b, "widened_gemm")
+    out = torch.mm(a.values(torch.float32), b.values(torch.float32))
+    out.mul_(a.scale_inv.reshape(()) * b.scale_inv.reshape(()))
+    if bias is not None:
+        out.add_(bias)
+    return out.to(out_dtype)
+
+
+def _is_row_major(t: torch.Tensor) -> bool:
+    """Contiguous 2-D FP8 bytes starting at a 16-byte boundary of their allocation (what cuBLASLt takes as is)."""
+    return t.is_contiguous() and t.storage_offset() % _ALIGN == 0
+
+
+def _col_major_source(b: Float8Tensor) -> torch.Tensor:
+    """`b.data.t()` as a contiguous (row-major [N, K]) tensor: `b.data_t` as is, or `b.data` when it is a
+    transposed view of one, else a copy."""
+    if b.data_t is not None:
+        return b.data_t
+    bt = b.data.t()
+    return bt if _is_row_major(bt) else bt.contiguous()
+
+
+def _padded(t: torch.Tensor, cols: int, rows: int) -> torch.Tensor:
+    """Row-major `t` with `cols` zero columns and `rows` zero rows appended (the FP8 bytes as uint8)."""
+    if not (cols or rows):
+        return t
+    return torch.nn.functional.pad(t.view(torch.uint8), (0, cols, 0, rows)).view(t.dtype)
+
+
+def _warn_padding(m: int, k: int, n: int, pad_k: int, pad_n: int) -> None:
+    key = (k, n, bool(pad_k), bool(pad_n))
+    if key in _warned_shapes:
+        return
+    _warned_shapes.add(key)
+    dims = ([f"K={k} -> {k + pad_k}"] if pad_k else []) + ([f"N={n} -> {n + pad_n}"] if pad_n else [])
+    warnings.warn(f"fp8kit: FP8 GEMM [{m}, {k}] x [{k}, {n}] is zero-padded ({', '.join(dims)}) to the multiples "
+                  "of 16 cuBLASLt needs: exact, but it copies the padded operands and the output on every call. "
+                  "Sizes that are multiples of 16 avoid it.", stacklevel=3)
+
+
+def scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+              use_fast_accum: bool = False) -> torch.Tensor:
+    """`a @ b` through `torch._scaled_mm` with per-tensor scales `a.scale_inv`, `b.scale_inv` (device tensors):
+    `a` made row-major and `b` column-major (from `data_t` when present, without a copy), K and N zero-padded to
+    multiples of 16 when needed. A bias of `out_dtype` bf16/fp16 goes into the GEMM's epilogue; otherwise the GEMM
+    gives float32, the bias is added to it and the sum rounded once to `out_dtype`."""
+    m, k, n = _check_shapes(a, b, "scaled_mm")
+    low = out_dtype in (torch.bfloat16, torch.float16)
+    use_bias = bias is not None and bias.dtype == out_dtype and low  # in the epilogue, before the one rounding
+    # Otherwise a float32 result, so that the bias is added before the one rounding to out_dtype
+    mm_dtype = out_dtype if low and (bias is None or use_bias) else torch.float32
+    if m == 0 or k == 0 or n == 0:  # nothing to multiply: zeros (+ bias), no cuBLASLt edge cases
+        out = torch.zeros((m, n), dtype=mm_dtype, device=a.data.device)
+        return (out + bias.to(mm_dtype) if bias is not None else out).to(out_dtype)
+    pad_k, pad_n = (-k) % _ALIGN, (-n) % _ALIGN
+    if pad_k or pad_n:
+        _warn_padding(m, k, n, pad_k, pad_n)
+    mat_a = a.data if _is_row_major(a.data) else a.data.contiguous()
+    mat_a = _padded(mat_a, pad_k, 0)
+    mat_b = _padded(_col_major_source(b), pad_k, pad_n).t()  # column-major [K', N'], as cuBLASLt FP8 wants
+    mm_bias = bias
+    if use_bias and pad_n:
+        mm_bias = torch.nn.functional.pad(bias, (0, pad_n))
+    out = torch._scaled_mm(
+        mat_a,
+        mat_b,
+        scale_a=a.scale_inv.reshape(()),
+        scale_b=b.scale_inv.reshape(()),
+        bias=mm_bias if use_bias else None,
+        out_dtype=mm_dtype,
+        use_fast_accum=use_fast_accum,
+    )
+    if pad_n:
+        out = out[:, :n]
+    if bias is not None and not use_bias:
+        out = out + bias.to(out.dtype)  # float32 + bias, rounded once below
+    elif pad_n:
+        out = out.contiguous()
+    return out.to(out_dtype)
 
 
 def _emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor]):
+    """The CPU path (host floats for alpha: CPU tensors only)."""
     if a.scale_inv_value is not None and b.scale_inv_value is not None:  # CPU fast path: no tensor op for alpha
         alpha = host.f32(a.scale_inv_value * b.scale_inv_value)  # the float32 product (exact in float64, rounded)
         scale = None
@@ -75,34 +183,3 @@ def _emulated(a: Float8Tensor, b: Float8Tensor, out_dtype: torch.dtype, bias: Op
 _BF16_GEMM_MIN_MACS = 1 << 24
 _ZERO_BF16 = torch.zeros((), dtype=torch.bfloat16)
 _ZERO_F32 = torch.zeros((), dtype=torch.float32)
-
-
-def _pad_inner(a: torch.Tensor, b: torch.Tensor):
-    """Zero-pad the shared dimension to a multiple of 16 (zeros add nothing to the products)."""
-    k = a.shape[1]
-    pad = (-k) % 16
-    if pad == 0:
-        return a, b
-    a = torch.nn.functional.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
-    b = torch.nn.functional.pad(b.view(torch.uint8).t(), (0, pad)).view(b.dtype).t()
-    return a, b
-
-
-def _scaled_mm(a: Float8Tensor, b: Float8Tensor, out_dtype, bias, use_fast_accum):
-    mat_a = a.data.contiguous()
-    mat_b = b.data.t().contiguous().t()  # column-major, as cuBLASLt FP8 wants
-    mat_a, mat_b = _pad_inner(mat_a, mat_b)
-    mm_dtype = out_dtype if out_dtype in (torch.bfloat16, torch.float16) else torch.float32
-    use_bias = bias is not None and bias.dtype == mm_dtype and mm_dtype != torch.float32
-    out = torch._scaled_mm(
-        mat_a,
-        mat_b,
-        scale_a=a.scale_inv.reshape(()).float(),
-        scale_b=b.scale_inv.reshape(()).float(),
-        bias=bias if use_bias else None,
-        out_dtype=mm_dtype,
-        use_fast_accum=use_fast_accum,
-    )
-    if bias is not None and not use_bias:
-        out = out + bias.to(out.dtype)
-    return out.to(out_dtype)

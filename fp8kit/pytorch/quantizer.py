@@ -1,6 +1,14 @@
-"""Quantizers: how one tensor role (input, weight, grad_output) of one module is cast under a recipe."""
+"""Quantizers: how one tensor role (input, weight, grad_output) of one module is cast under a recipe.
+
+`quantize(x, transpose=True)` also gives the FP8 bytes of the transpose (`Float8Tensor.data_t`) on accelerators,
+where the dgrad and wgrad GEMMs take a column-major operand from them; `quantize_dbias(dy)` adds the bias gradient.
+With the Triton kernels on, both are one pass over the tensor (docs/kernels.md).
+"""
 
 from __future__ import annotations
+
+import math
+from typing import Tuple
 
 import torch
 
@@ -19,7 +27,8 @@ class DelayedQuantizer:
         self.state, self.slot, self.fp8_dtype = state, slot, fp8_dtype
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+        """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if host.active(x.device):
             a = host.amax(x)
             self.state.record(self.slot, a)
@@ -29,22 +38,52 @@ class DelayedQuantizer:
                 self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
                                   torch.scalar_tensor(a, dtype=torch.float32))
             return q
-        if self.stats is None and kernels.use_for(x):  # one fused pass: FP8 bytes, amax into the staging slot
+        if self.stats is None and kernels.use_for(x):  # one fused pass: FP8 bytes (+ transpose), amax into the slot
             inv = torch.empty((), dtype=torch.float32, device=x.device)
-            data, _, _ = kernels.cast_amax(x.detach(), self.state.scale[self.slot], self.fp8_dtype,
-                                           amax_out=self.state.amax_history[0, self.slot], scale_inv_out=inv)
-            return Float8Tensor(data, inv, x.dtype)
+            data, data_t, _ = kernels.cast_amax(x.detach(), self.state.scale[self.slot], self.fp8_dtype,
+                                                transpose=transpose, amax_out=self.state.amax_history[0, self.slot],
+                                                scale_inv_out=inv)
+            return Float8Tensor(data, inv, x.dtype, data_t=data_t)
         a = amax(x)
         self.state.record(self.slot, a)
         scale = self.state.scale[self.slot]
         q = cast(x, scale, self.fp8_dtype)
         if self.stats is not None:
             self.stats.record(x, q, scale, a)
-        return q
+        return with_transpose(q) if transpose else q
+
+    def quantize_dbias(self, dy: torch.Tensor) -> Tuple[Float8Tensor, torch.Tensor]:
+        """grad_output: the FP8 tensor (with `data_t` off the CPU) and the bias gradient (dy summed over its leading
+        dimensions, in dy's dtype); with the kernels, one pass over dy (`kernels.cast_transpose_dbias`)."""
+        if self.stats is None and kernels.use_for(dy):
+            data, data_t, inv, dbias = kernels.cast_transpose_dbias(
+                dy.detach(), self.state.scale[self.slot], self.fp8_dtype,
+                amax_out=self.state.amax_history[0, self.slot])
+            return Float8Tensor(data, inv, dy.dtype, data_t=data_t), dbias
+        return self.quantize(dy, transpose=True), bias_grad(dy)
 
     def observe(self, x: torch.Tensor) -> None:
         """Calibration: record the amax without casting."""
         self.state.record(self.slot, host.amax(x) if host.active(x.device) else amax(x))
+
+
+class FixedScaleQuantizer:
+    """Casts with a given scale and records nothing: a recompute repeating a delayed-scaling cast
+    (fp8kit.pytorch.recompute). `scale` is a float32 value as a Python float, or a 0-d float32 tensor."""
+
+    __slots__ = ("scale", "fp8_dtype", "stats")
+
+    def __init__(self, scale, fp8_dtype: torch.dtype):
+        self.scale, self.fp8_dtype, self.stats = scale, fp8_dtype, None
+
+    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+        if isinstance(self.scale, float):
+            return cast_host(x, self.scale, self.fp8_dtype, math.inf)  # amax unknown: always clamp
+        q = cast(x, self.scale, self.fp8_dtype)
+        return with_transpose(q) if transpose else q
+
+    def observe(self, x: torch.Tensor) -> None:
+        pass
 
 
 class CurrentQuantizer:
@@ -56,7 +95,8 @@ class CurrentQuantizer:
         self.fp8_dtype, self.amax_epsilon, self.power_2, self.group = fp8_dtype, amax_epsilon, power_2, group
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
 
-    def quantize(self, x: torch.Tensor) -> Float8Tensor:
+    def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8Tensor:
+        """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if self.group is None and host.active(x.device):
             a = host.amax(x)
             scale = host.current_scale(a, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2)
@@ -66,9 +106,9 @@ class CurrentQuantizer:
                                   torch.scalar_tensor(a, dtype=torch.float32))
             return q
         if kernels.use_for(x):  # an amax pass, then a cast pass that computes the scale itself
-            data, _, scale, inv, _ = kernels.current_cast(x.detach(), self.fp8_dtype, self.amax_epsilon,
-                                                          self.power_2, group=self.group)
-            q = Float8Tensor(data, inv, x.dtype)
+            data, data_t, scale, inv, _ = kernels.current_cast(x.detach(), self.fp8_dtype, self.amax_epsilon,
+                                                               self.power_2, transpose=transpose, group=self.group)
+            q = Float8Tensor(data, inv, x.dtype, data_t=data_t)
             if self.stats is not None:
                 self.stats.record(x, q, scale)
             return q
@@ -76,7 +116,33 @@ class CurrentQuantizer:
         q = cast(x, scale, self.fp8_dtype)
         if self.stats is not None:
             self.stats.record(x, q, scale)
-        return q
+        return with_transpose(q) if transpose else q
+
+    def quantize_dbias(self, dy: torch.Tensor) -> Tuple[Float8Tensor, torch.Tensor]:
+        """As `DelayedQuantizer.quantize_dbias` (kernels: `kernels.current_cast_transpose_dbias`)."""
+        if kernels.use_for(dy):
+            data, data_t, scale, inv, _, dbias = kernels.current_cast_transpose_dbias(
+                dy.detach(), self.fp8_dtype, self.amax_epsilon, self.power_2, group=self.group)
+            q = Float8Tensor(data, inv, dy.dtype, data_t=data_t)
+            if self.stats is not None:
+                self.stats.record(dy, q, scale)
+            return q, dbias
+        return self.quantize(dy, transpose=True), bias_grad(dy)
 
     def observe(self, x: torch.Tensor) -> None:
         pass
+
+
+def with_transpose(q: Float8Tensor) -> Float8Tensor:
+    """`q` with `data_t` (a copy of the transposed bytes) when it lives off the CPU, where the GEMMs use it; CPU
+    tensors are returned as they are (the emulated GEMM reads any layout)."""
+    if q.data_t is None and q.data.device.type != "cpu":
+        n = q.data.shape[-1] if q.data.dim() else 1
+        q.data_t = q.data.reshape(-1, n).t().contiguous()
+    return q
+
+
+def bias_grad(dy: torch.Tensor) -> torch.Tensor:
+    """The bias gradient: `dy` summed over its leading dimensions, in dy's dtype."""
+    n = dy.shape[-1] if dy.dim() else 1
+    return dy.reshape(-1, n).sum(0)

@@ -114,21 +114,50 @@ class RoleStats:
 
 
 class ModuleStats:
-    """The RoleStats of one module: `.input`, `.weight`, `.grad_output`."""
+    """The RoleStats of one module, per GEMM: `.input`, `.weight`, `.grad_output` are GEMM 0's; `roles(names)`
+    lists every (name, RoleStats), GEMM k's roles named `<names[k]>.<role>` in modules with several GEMMs."""
 
-    __slots__ = ROLES
+    __slots__ = ("gemms",)
 
     def __init__(self):
-        for role in ROLES:
-            setattr(self, role, RoleStats())
+        self.gemms = {}
 
-    def attach(self, input_q, weight_q, grad_q) -> None:
-        """Hand the role recorders to the quantizers of one forward call."""
-        input_q.stats, weight_q.stats, grad_q.stats = self.input, self.weight, self.grad_output
+    def _of(self, gemm: int):
+        found = self.gemms.get(gemm)
+        if found is None:
+            found = self.gemms[gemm] = tuple(RoleStats() for _ in ROLES)
+        return found
+
+    @property
+    def input(self) -> RoleStats:
+        return self._of(0)[0]
+
+    @property
+    def weight(self) -> RoleStats:
+        return self._of(0)[1]
+
+    @property
+    def grad_output(self) -> RoleStats:
+        return self._of(0)[2]
+
+    def attach(self, input_q, weight_q, grad_q, gemm: int = 0) -> None:
+        """Hand the role recorders of GEMM `gemm` to the quantizers of one forward call."""
+        input_q.stats, weight_q.stats, grad_q.stats = self._of(gemm)
+
+    def roles(self, names=None):
+        """(role name, RoleStats) of every GEMM that recorded, in GEMM order."""
+        out = []
+        for gemm in sorted(self.gemms):
+            prefix = ""
+            if names is not None and len(names) > 1:
+                prefix = f"{names[gemm]}." if gemm < len(names) else f"gemm{gemm}."
+            out += [(prefix + role, stats) for role, stats in zip(ROLES, self.gemms[gemm])]
+        return out
 
     def reset(self) -> None:
-        for role in ROLES:
-            getattr(self, role).reset()
+        for found in self.gemms.values():
+            for stats in found:
+                stats.reset()
 
 
 def _supporting_modules(model: torch.nn.Module):
@@ -172,8 +201,8 @@ def stats(model: torch.nn.Module, reset: bool = False) -> List[Dict[str, object]
         recorder = module.fp8_stats
         if recorder is None:
             continue
-        for role in ROLES:
-            row = getattr(recorder, role).row()
+        for role, recorded in recorder.roles(getattr(module, "fp8_gemm_names", None)):
+            row = recorded.row()
             if row is not None:
                 rows.append({"module": name, "role": role, **row})
         if reset:

@@ -17,14 +17,26 @@ class Float8Tensor:
       scale_inv: float32 tensor with one element (0-d), `float32(1 / scale)` taken at cast time.
       dtype: the nominal high-precision dtype the tensor stands for (what `dequantize()` returns by default
         in modules; `dequantize()` itself defaults to float32).
+      data_t: None, or the FP8 bytes of the transpose, contiguous: `data.reshape(-1, data.shape[-1]).t()` laid out
+        row-major, as the fused cast+transpose kernels write it. The GEMM (`fp8kit.pytorch.gemm`) takes a
+        column-major operand from it instead of copying `data`; `t()` swaps `data` and `data_t`.
     """
 
-    __slots__ = ("data", "_scale_inv", "dtype", "_values", "scale_inv_value")
+    __slots__ = ("data", "_scale_inv", "dtype", "_values", "scale_inv_value", "data_t")
 
     def __init__(self, data: torch.Tensor, scale_inv: Optional[torch.Tensor], dtype: Optional[torch.dtype] = None,
-                 scale_inv_value: Optional[float] = None):
+                 scale_inv_value: Optional[float] = None, data_t: Optional[torch.Tensor] = None):
         if data.dtype not in FP8_DTYPES:
             raise TypeError(f"Float8Tensor data must be float8_e4m3fn or float8_e5m2, got {data.dtype}")
+        if data_t is not None:
+            n = data.shape[-1] if data.dim() else 1
+            want = (n, data.numel() // n if n else 0)
+            if data_t.dtype != data.dtype or tuple(data_t.shape) != want or not data_t.is_contiguous() \
+                    or data_t.device != data.device:
+                raise ValueError(
+                    f"Float8Tensor data_t must be a contiguous {data.dtype} tensor of shape {want} on {data.device} "
+                    f"(the transpose of data {tuple(data.shape)}), got {data_t.dtype} {tuple(data_t.shape)} "
+                    f"contiguous={data_t.is_contiguous()} on {data_t.device}")
         if scale_inv is None:
             if scale_inv_value is None:
                 raise TypeError("Float8Tensor needs scale_inv (a tensor) or scale_inv_value (a float)")
@@ -39,6 +51,7 @@ class Float8Tensor:
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
         self.scale_inv_value = scale_inv_value
+        self.data_t = data_t
 
     @property
     def scale_inv(self) -> torch.Tensor:
@@ -72,8 +85,14 @@ class Float8Tensor:
         return cached
 
     def t(self) -> "Float8Tensor":
-        """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared."""
-        out = Float8Tensor(self.data.t(), self._scale_inv, self.dtype, self.scale_inv_value)
+        """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared.
+        With `data_t` the two layouts swap roles (no copy): the result's `data` is `data_t`, and its `data_t` is
+        `data` when that is contiguous."""
+        if self.data_t is not None and self.data.dim() == 2:
+            keep = self.data if self.data.is_contiguous() else None
+            out = Float8Tensor(self.data_t, self._scale_inv, self.dtype, self.scale_inv_value, keep)
+        else:
+            out = Float8Tensor(self.data.t(), self._scale_inv, self.dtype, self.scale_inv_value)
         if self._values is not None:
             out._values = self._values.t()
         return out

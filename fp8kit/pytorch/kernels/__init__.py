@@ -1,13 +1,14 @@
-"""Fused Triton kernels for the FP8 cast, amax and delayed-scaling update (opt-in; see docs/kernels.md).
+"""Fused Triton kernels for the FP8 cast (+ transpose, amax, bias gradient) and the delayed-scaling update (opt-in;
+see docs/kernels.md).
 
 The kernels compute the same bytes as the torch path in `fp8kit.pytorch.cast` and `fp8kit.pytorch.state`.
-They are OFF by default: turn them on with the environment variable `FP8KIT_TRITON=1` or `set_enabled(True)`, and
-dispatch to them only where `enabled() and available(x.device)`.
+They are OFF by default (they have not run on a GPU yet): turn them on with the environment variable
+`FP8KIT_TRITON=1` or `set_enabled(True)`, and dispatch to them only where `enabled() and available(x.device)`.
 
 Triton is imported lazily: importing this package needs only torch. CUDA tensors run compiled kernels (compute
 capability 8.9 or newer); CPU tensors run the same kernels in Triton's interpreter when `TRITON_INTERPRET=1` is set
-(slow; meant for tests). The two variants are separate module objects (`kernel_module`), so both can be used in one
-process.
+(slow; meant for tests); meta tensors get their outputs allocated and nothing run (shape checks on a CPU). The
+compiled and interpreted variants are separate module objects (`kernel_module`), so both can be used in one process.
 """
 
 from __future__ import annotations
@@ -20,10 +21,21 @@ from typing import Optional
 
 import torch
 
-from .ops import amax, cast, cast_amax, current_cast, update, update_tensors
+from .cast_ops import (
+    amax,
+    cast,
+    cast_amax,
+    cast_transpose_amax,
+    cast_transpose_dbias,
+    current_cast,
+    current_cast_transpose_dbias,
+)
+from .launch import Launch, observe_launches
+from .update_ops import update, update_tensors
 
 __all__ = ["enabled", "set_enabled", "available", "use_for", "interpreter_on", "kernel_module", "cast_amax", "cast",
-           "amax", "current_cast", "update", "update_tensors"]
+           "cast_transpose_amax", "cast_transpose_dbias", "amax", "current_cast", "current_cast_transpose_dbias",
+           "update", "update_tensors", "observe_launches", "Launch"]
 
 _TRUE = ("1", "true", "yes", "on")
 _enabled: Optional[bool] = None  # None: follow FP8KIT_TRITON
@@ -75,8 +87,11 @@ def _triton_importable() -> bool:
 def available(device) -> bool:
     """Whether the kernels can run on tensors of `device` (a torch.device or string): Triton importable, and
     either a CUDA device of compute capability >= 8.9 (native FP8 conversions), or a CPU device with
-    `TRITON_INTERPRET=1` set."""
+    `TRITON_INTERPRET=1` set. Always True for the meta device, where a launch allocates its outputs and runs
+    nothing (no Triton needed)."""
     device = torch.device(device)
+    if device.type == "meta":
+        return True
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return False

@@ -1,19 +1,84 @@
-"""What every FP8 module shares: its delayed-scaling states (`fp8_meta`), their registration, and their place in
+"""What every FP8 module shares: its delayed-scaling states (`fp8_meta`), their registration, what one forward call
+decides (`FP8Call`: FP8 or not, quantizers, backward bookkeeping, activation recompute), and the states' place in
 `state_dict()` as plain tensors."""
 
 from __future__ import annotations
 
+import math
 import warnings
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ..autocast import Frame, has_pending_backward, register
+from ...recipe import FLT_MAX, SCALE_MIN, DelayedScaling
+from .. import host
+from ..autocast import Frame, current_frame, has_pending_backward, register
+from ..cast import fp8_dtype_of
 from ..distributed import label_states
+from ..quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
+from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 _FIELDS = ("amax_history", "scale", "update_count")
+
+
+class FP8Call:
+    """What one forward call of an FP8 module decided.
+
+    frame: the autocast settings the call runs under (for a recompute: those of the call it repeats).
+    fp8: (fprop, dgrad, wgrad): which GEMMs run in FP8 (all False when calibrating).
+    calibrate: record amaxes, compute in high precision.
+    track_backward: the call's FP8 backwards count towards its step's backward update.
+    record: the ForwardRecord a recompute of this call will use (None if none can happen), or, for a recompute,
+      the record it repeats.
+    replay: this call is a recompute.
+    """
+
+    __slots__ = ("module", "frame", "fp8", "calibrate", "track_backward", "record", "replay", "_states")
+
+    def __init__(self, module, frame: Frame, record: Optional[ForwardRecord], replay: bool, track_backward: bool,
+                 states):
+        self.module, self.frame, self.record, self.replay = module, frame, record, replay
+        self.fp8 = tuple(frame.enabled and not o for o in frame.recipe.override_linear_precision)
+        self.calibrate = not frame.enabled
+        self.track_backward = track_backward
+        self._states = states
+
+    @property
+    def step(self):
+        return self.frame.step
+
+    def quantizers(self, gemm: int = 0):
+        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module."""
+        recipe = self.frame.recipe
+        fmt = recipe.fp8_format.value
+        fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
+        if isinstance(recipe, DelayedScaling):
+            fwd, bwd = self._states
+            grad_q = DelayedQuantizer(bwd, 2 * gemm, bwd_dtype)
+            if self.replay:
+                scales = self.record.scales
+                return FixedScaleQuantizer(scales[3 * gemm], fwd_dtype), \
+                    FixedScaleQuantizer(scales[3 * gemm + 1], fwd_dtype), grad_q
+            return DelayedQuantizer(fwd, 3 * gemm, fwd_dtype), DelayedQuantizer(fwd, 3 * gemm + 1, fwd_dtype), grad_q
+        groups = self.module.current_scaling_groups()
+        roles = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
+        return tuple(CurrentQuantizer(dtype, q.amax_epsilon, q.power_2_scale, group)
+                     for dtype, q, group in zip((fwd_dtype, fwd_dtype, bwd_dtype), roles, groups))
+
+    def cached_weight(self, gemm: int = 0):
+        """The FP8 weight a recompute must reuse for GEMM `gemm` (the original call's cached one), or None."""
+        if self.replay and self.record.weights is not None:
+            return self.record.weights.get(gemm)
+        return None
+
+    def reused_weight(self, gemm: int, weight) -> None:
+        """Note that the call reused a cached FP8 weight for GEMM `gemm` (a recompute must reuse it too)."""
+        if self.record is not None and not self.replay:
+            if self.record.weights is None:
+                self.record.weights = {}
+            self.record.weights[gemm] = weight
 
 
 class FP8StateMixin:
@@ -26,6 +91,52 @@ class FP8StateMixin:
     def _init_fp8_meta(self, num_gemms: int = 1) -> None:
         self.num_gemms = num_gemms
         self.fp8_meta = {"recipe": None, "scaling_fwd": None, "scaling_bwd": None}
+        self._fp8_records = RecordQueue()
+
+    def current_scaling_groups(self) -> Tuple[object, object, object]:
+        """The amax-reduction groups of the (input, weight, grad_output) casts under current scaling; modules split
+        over a tensor-parallel group override this."""
+        return None, None, None
+
+    def begin_fp8_call(self, tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -> Optional[FP8Call]:
+        """Decide how this forward call runs. `tensors`: the call's inputs and parameters (None entries allowed),
+        whose `requires_grad` says whether a backward will follow. Returns None to run in high precision."""
+        frame = current_frame()
+        if in_backward() or (frame is not None and frame.replay):
+            return self._replay_call(frame, device)
+        if frame is None or not (frame.enabled or frame.records_amax):
+            return None
+        grad = torch.is_grad_enabled()
+        needs_backward = any(t is not None and t.requires_grad for t in tensors)
+        # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
+        will_recompute = not grad and needs_backward and in_reentrant_checkpoint()
+        counted = frame.records_amax and needs_backward and (grad or will_recompute)
+        if frame.records_amax:
+            frame.step.forward_called(frame.key, counted)
+        states = self.fp8_states(frame, device) if isinstance(frame.recipe, DelayedScaling) else None
+        record = None
+        if grad or will_recompute:  # a recompute of this call may come: say how to repeat it
+            record = ForwardRecord(frame, _scale_snapshot(states), counted)
+            retain_step(frame.step)
+            self._fp8_records.add(record)
+        return FP8Call(self, frame, record, False, counted, states)
+
+    def _replay_call(self, frame: Optional[Frame], device: torch.device) -> Optional[FP8Call]:
+        record = self._fp8_records.take()
+        if record is None:
+            if frame is None or not (frame.enabled or frame.records_amax):
+                return None  # the original ran in high precision as well
+            raise RuntimeError(
+                f"fp8kit: {type(self).__name__} ran an FP8 forward during a backward pass without an earlier forward "
+                "to repeat. fp8kit treats a forward inside backward as activation recompute; run other forwards "
+                "outside fp8kit.pytorch.autocast or outside the backward.")
+        enabled, calibrating, recipe, group = record.settings
+        original = Frame(enabled, calibrating, recipe, group, record.step, True)
+        states = None
+        if isinstance(recipe, DelayedScaling):
+            meta = self.fp8_meta
+            states = (meta["scaling_fwd"], meta["scaling_bwd"])
+        return FP8Call(self, original, record, True, record.counted, states)
 
     def fp8_states(self, frame: Frame, device: torch.device) -> Tuple[ScalingState, ScalingState]:
         """The (forward, backward) states for a delayed-scaling frame: created, resized to the recipe's history
@@ -77,38 +188,27 @@ class FP8StateMixin:
                               error_msgs):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        ours = {k for k in state_dict if k.startswith(prefix + "fp8_meta.")}
-        unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]
+        ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
+        unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
+        entries, problems = {}, []
         for name, per_gemm in _PASSES:
             base = f"{prefix}fp8_meta.{name}."
             found = {f: state_dict[base + f] for f in _FIELDS if base + f in state_dict}
             if not found:
                 continue  # e.g. a torch.nn.Linear checkpoint: keep the current state
-            problem = self._bad_fp8_entry(found, per_gemm * self.num_gemms)
+            problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
             if problem:
-                error_msgs.append(f"{base[:-1]}: {problem}")
-                continue
+                problems.append(f"{base[:-1]}: {problem}")
+            entries[name] = found
+        if problems:  # all or nothing: a module never holds half of a checkpoint's FP8 state
+            error_msgs.extend(problems)
+            return
+        for name, found in entries.items():
             self._load_state(name, found)
-
-    @staticmethod
-    def _bad_fp8_entry(found, slots: int) -> str:
-        missing = [f for f in _FIELDS if f not in found]
-        if missing:
-            return f"missing {', '.join(missing)}"
-        history, scale = found["amax_history"], found["scale"]
-        if history.dim() != 2 or history.shape[1] != slots or history.shape[0] < 1:
-            return f"amax_history must have shape [L >= 1, {slots}], got {tuple(history.shape)}"
-        if tuple(scale.shape) != (slots,):
-            return f"scale must have shape [{slots}], got {tuple(scale.shape)}"
-        if not (history.is_floating_point() and scale.is_floating_point()):
-            return f"amax_history and scale must be floating, got {history.dtype} and {scale.dtype}"
-        if not bool(torch.isfinite(scale).all() and (scale > 0).all()):
-            return "scale holds a value that is not finite and > 0"
-        return ""
 
     def _load_state(self, name: str, found) -> None:
         state = self.fp8_meta[name]
-        device = self.weight.device if state is None else state.scale.device
+        device = next(self.parameters()).device if state is None else state.scale.device
         history = found["amax_history"].detach().to(device=device, dtype=torch.float32)
         if state is None:
             state = self.fp8_meta[name] = ScalingState(history.shape[1], history.shape[0], device)
@@ -116,4 +216,46 @@ class FP8StateMixin:
             history = resized_history(history, state.history_len)  # registered: the recipe's length wins
         state.amax_history = history.clone()
         state.scale = found["scale"].detach().to(device=device, dtype=torch.float32).clone()
-        state.update_count = int(found["update_count"])
+        state.count = torch.tensor(int(found["update_count"].reshape(())), dtype=torch.int64, device=device)
+
+
+def _scale_snapshot(states):
+    """The forward scales a call casts with, kept for its recompute (None under current scaling)."""
+    if states is None:
+        return None
+    scale = states[0].scale
+    if host.active(scale.device):
+        return states[0].host_views()[1].tolist()  # Python floats: the host path casts with floats
+    return scale.detach().clone()  # indexing gives the 0-d scale a tensor-path cast takes
+
+
+def bad_fp8_entry(found, slots: int) -> str:
+    """Why a checkpoint's `fp8_meta.<pass>` entry cannot be loaded into a state of `slots` slots ("" if it can)."""
+    missing = [f for f in _FIELDS if f not in found]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    history, scale, count = found["amax_history"], found["scale"], found["update_count"]
+    for field, value in (("amax_history", history), ("scale", scale), ("update_count", count)):
+        if not isinstance(value, torch.Tensor):
+            return f"{field} must be a tensor, got {type(value).__name__}"
+    if history.dim() != 2 or history.shape[1] != slots or history.shape[0] < 1:
+        return f"amax_history must have shape [L >= 1, {slots}], got {tuple(history.shape)}"
+    if tuple(scale.shape) != (slots,):
+        return f"scale must have shape [{slots}], got {tuple(scale.shape)}"
+    if not (history.is_floating_point() and scale.is_floating_point()):
+        return f"amax_history and scale must be floating, got {history.dtype} and {scale.dtype}"
+    s32 = scale.detach().cpu().to(torch.float32)
+    ok = torch.isfinite(s32) & (s32 >= SCALE_MIN) & (s32 <= FLT_MAX)
+    if not bool(ok.all()):
+        bad = scale.detach().cpu()[~ok][:4].tolist()
+        return (f"scale holds values that are not finite and within [{SCALE_MIN:.4g}, {FLT_MAX:.4g}] as float32: "
+                f"{bad}")
+    h32 = history.detach().cpu().to(torch.float32)
+    if bool((h32 < 0).any()):
+        return f"amax_history holds negative values (an amax is never negative): {h32[h32 < 0][:4].tolist()}"
+    if count.numel() != 1 or count.dim() > 1:
+        return f"update_count must hold one number (shape [] or [1]), got shape {tuple(count.shape)}"
+    value = count.detach().cpu().reshape(()).double().item()
+    if not (math.isfinite(value) and value >= 0 and value == int(value)) or count.dtype == torch.bool:
+        return f"update_count must be an integer >= 0, got {value!r} ({count.dtype})"
+    return ""

@@ -1,329 +1,116 @@
-"""fp8kit's Linear: a drop-in for torch.nn.Linear whose three GEMMs run in FP8 inside `autocast`.
-
-The three GEMMs of `y = x @ W.T + b`, for x `[M, K]`, W `[N, K]`, dy `[M, N]`:
-
-  fprop  y  = x  @ W.T    x: input slot (forward 0), W: weight slot (forward 1)      E4M3 under HYBRID
-  dgrad  dx = dy @ W      dy: grad_output slot (backward 0), W: the FP8 weight        dy E5M2 under HYBRID
-  wgrad  dW = dy.T @ x    dy and the FP8 input saved by the forward pass
-
-Each accumulates in float32 and produces the input's dtype. The forward pass saves the FP8 input and the FP8
-weight, not the high-precision ones, unless a GEMM that needs them is overridden to high precision. The bias
-gradient is `dy.sum(0)` in high precision.
-
-Tensor parallelism (`parallel_mode`, `tp_group`, `sequence_parallel`; the sequence is the FIRST input dimension):
-
-  column  W [out/tp, in]   fprop: x (gathered along the sequence with SP, as FP8 bytes) -> y [.., out/tp]
-                           dgrad: partial dx all-reduced, or reduce-scattered along the sequence with SP
-  row     W [out, in/tp]   fprop: partial y all-reduced, or reduce-scattered along the sequence with SP; + bias
-                           dgrad/wgrad: with SP, dy gathered along the sequence as FP8 bytes; bias grad all-reduced
-"""
+"""fp8kit's Linear: Transformer Engine's `Linear` (signature, defaults, parameter names), whose three GEMMs run in FP8
+inside `autocast` (fp8kit.pytorch.modules.linear_function), and which is a `torch.nn.Linear` subclass behaving
+exactly like one outside an enabled autocast."""
 
 from __future__ import annotations
 
-import math
-from typing import Optional
+from typing import Callable, Dict, Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 
-from ...recipe import DelayedScaling
-from ..autocast import current_frame
-from ..cast import fp8_dtype_of
-from ..distributed import (
-    all_gather_fp8,
-    all_reduce_sum,
-    check_shared_scales,
-    gather_along_first_dim,
-    reduce_scatter_along_first_dim,
-    tensor_parallel,
-)
-from ..gemm import check_cuda_shape, gemm
-from ..quantizer import CurrentQuantizer, DelayedQuantizer
-from ..tensor import Float8Tensor
-from .base import FP8StateMixin
+from .linear_base import LinearBase
+
+__all__ = ["Linear"]
 
 
-class _Plan:
-    """What one forward call decided: quantizers per role, which GEMMs run in FP8, bookkeeping hooks."""
-
-    __slots__ = ("input_q", "weight_q", "grad_q", "fp8", "calibrate", "weight_fp8", "step", "track_backward", "tp")
-
-    def __init__(self, input_q, weight_q, grad_q, fp8, calibrate, weight_fp8, step, track_backward, tp=None):
-        self.input_q, self.weight_q, self.grad_q = input_q, weight_q, grad_q
-        self.fp8 = fp8  # (fprop, dgrad, wgrad)
-        self.calibrate = calibrate
-        self.weight_fp8: Optional[Float8Tensor] = weight_fp8
-        self.step, self.track_backward = step, track_backward
-        self.tp = tp  # a distributed.TensorParallel, or None
-
-
-class _LinearFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: _Plan):
-        fprop, dgrad, wgrad = plan.fp8
-        tp = plan.tp
-        gather = tp is not None and tp.gathers_input
-        row = tp is not None and tp.mode == "row"
-        x_fp8 = w_fp8 = None
-        if plan.calibrate:
-            plan.input_q.observe(x)
-            plan.weight_q.observe(weight)
-        if fprop or wgrad:
-            x_fp8 = plan.input_q.quantize(x)
-            if gather:  # quantized all-gather: every rank cast with the same scale, FP8 bytes on the wire
-                x_fp8 = all_gather_fp8(x_fp8, tp.group)
-        if gather and not (fprop and wgrad):
-            x = gather_along_first_dim(x, tp.group)
-        if fprop or dgrad:
-            if plan.weight_fp8 is None:
-                plan.weight_fp8 = plan.weight_q.quantize(weight)
-            w_fp8 = plan.weight_fp8
-        fused_bias = None if row else bias  # row parallel: the bias is added once, after the reduction
-        if fprop:
-            y = gemm(x_fp8, w_fp8.t(), x.dtype, fused_bias, use_fast_accum=True)
-        else:
-            y = F.linear(x, weight, fused_bias)
-        if row:
-            y = reduce_scatter_along_first_dim(y, tp.group) if tp.sequence_parallel else all_reduce_sum(y, tp.group)
-            if bias is not None:
-                y = y + bias
-        # Save FP8 operands where the backward GEMM is FP8, high-precision ones only where it is not.
-        ctx.save_for_backward(
-            x_fp8.data if wgrad else x,
-            x_fp8._scale_inv if wgrad else None,
-            w_fp8.data if dgrad else weight,
-            w_fp8._scale_inv if dgrad else None,
-        )
-        ctx.plan = plan
-        ctx.inv_values = (x_fp8.scale_inv_value if wgrad else None, w_fp8.scale_inv_value if dgrad else None)
-        ctx.dtypes = (x.dtype, weight.dtype)
-        ctx.has_bias = bias is not None
-        return y
-
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):
-        plan = ctx.plan
-        tp = plan.tp
-        gather = tp is not None and tp.gathers_grad_output
-        _, dgrad, wgrad = plan.fp8
-        x_saved, x_inv, w_saved, w_inv = ctx.saved_tensors
-        x_dtype, w_dtype = ctx.dtypes
-        dy = dy.contiguous()
-        if plan.calibrate:
-            plan.grad_q.observe(dy)
-        dy_fp8 = plan.grad_q.quantize(dy) if (dgrad or wgrad) else None
-        dy_local = dy
-        if gather:  # row parallel with SP: dy arrives split along the sequence
-            if dy_fp8 is not None:
-                dy_fp8 = all_gather_fp8(dy_fp8, tp.group)
-            if not (dgrad and wgrad):
-                dy = gather_along_first_dim(dy, tp.group)
-        dx = dw = db = None
-        if ctx.needs_input_grad[0]:
-            if dgrad:
-                dx = gemm(dy_fp8, Float8Tensor(w_saved, w_inv, None, ctx.inv_values[1]), x_dtype)
-            else:
-                dx = dy @ w_saved
-            if tp is not None and tp.mode == "column":  # partial sums over the output shards
-                dx = reduce_scatter_along_first_dim(dx, tp.group) if tp.sequence_parallel \
-                    else all_reduce_sum(dx, tp.group)
-        if ctx.needs_input_grad[1]:
-            if wgrad:
-                dw = gemm(dy_fp8.t(), Float8Tensor(x_saved, x_inv, None, ctx.inv_values[0]), w_dtype)
-            else:
-                dw = dy.t() @ x_saved
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            db = dy_local.sum(0)
-            if gather:
-                db = all_reduce_sum(db, tp.group)
-        if plan.track_backward:
-            plan.step.backward_done()
-        return dx, dw, db, None
-
-
-class Linear(FP8StateMixin, torch.nn.Linear):
+class Linear(LinearBase, torch.nn.Linear):
     """`y = x @ weight.T + bias`, with FP8 GEMMs inside `fp8kit.pytorch.autocast`.
 
-    A drop-in for torch.nn.Linear: same parameter names (`weight` `[out_features, in_features]`, `bias`
-    `[out_features]`), same initialisation, same state_dict keys for them, and exactly torch.nn.Linear's behaviour
-    outside an enabled autocast. Inputs have any leading dimensions: `[..., in_features] -> [..., out_features]`.
+    Transformer Engine's signature, positional order included. Parameters `weight` `[out_features, in_features]`
+    and `bias` `[out_features]` (local sizes under tensor parallelism, as in Transformer Engine), initialised as
+    Transformer Engine does: `init_method(weight)` (default: normal, std 0.023) and a zero bias. Inputs have any
+    leading dimensions: `[..., in_features] -> [..., out_features]`. Outside an enabled autocast it computes exactly
+    `torch.nn.functional.linear`.
 
-    Args:
-      in_features, out_features, bias: as torch.nn.Linear.
-      params_dtype: dtype of the parameters (default: torch's default dtype); `dtype` is accepted as an alias.
+    Args (Transformer Engine's):
+      in_features, out_features: the full (unsplit) sizes.
+      sequence_parallel: the activations outside the layer are split along their FIRST dimension (`[s, b, h]`): a
+        column layer all-gathers its input (as FP8 bytes under FP8), a row layer reduce-scatters its output.
+      fuse_wgrad_accumulation: add the weight gradient, in float32, into `weight.main_grad` (which the caller
+        allocates, as Megatron does) instead of returning it; the first microbatch (`is_first_microbatch=True`)
+        overwrites it.
+      tp_group, tp_size: the tensor-parallel group (its size wins), or a size whose group
+        `set_tensor_parallel_group` supplies later.
+      get_rng_state_tracker, rng_tracker_name: initialise the weight under this tracker's named RNG state.
+      init_method: `f(weight)` initialising the weight in place.
+      bias, return_bias: with `return_bias=True` the bias is not added but returned: `forward` gives `(y, bias)`.
+      params_dtype: the parameters' dtype (default torch's default dtype); `dtype` is accepted as an alias.
+      parallel_mode: None, "column" (weight `[out_features / tp, in_features]`) or "row" (`[out_features,
+        in_features / tp]`).
+      parameters_split: split the weight (and bias) along the output into named parameters: a tuple of names
+        (equal parts) or a dict of name -> size; `("query_", "key_", "value_")` gives `query_weight`, ...
       device: where the parameters live (default: torch's default device, not CUDA as in Transformer Engine).
-      parallel_mode: None, "column" (weight `[out_features / tp, in_features]`, output `[..., out_features / tp]`)
-        or "row" (weight `[out_features, in_features / tp]`, input `[..., in_features / tp]`); keyword only.
-      tp_group: the tensor-parallel process group (tp = its size). None means no tensor parallelism, as in
-        Transformer Engine. `in_features` and `out_features` stay the full sizes; shards are initialised with the
-        full layer's bounds, from each rank's RNG (`distributed.shard_linear_parameters` loads full weights).
-      sequence_parallel: the activations outside the layer are split along their FIRST dimension (the sequence,
-        `[s, b, h]`): a column layer all-gathers its input (as FP8 bytes under FP8), a row layer reduce-scatters its
-        output. See docs/distributed.md.
+      ub_*, symmetric_ar_type: communication-overlap options of Transformer Engine: accepted, no effect on results.
+      delay_wgrad_compute: leave the weight-gradient GEMM for `backward_dw()`.
+      save_original_input: keep the high-precision input for wgrad instead of its FP8 cast (current scaling only).
+      name: the module's name (used in messages).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 params_dtype: Optional[torch.dtype] = None, device=None, *, dtype: Optional[torch.dtype] = None,
-                 parallel_mode: Optional[str] = None, tp_group=None, sequence_parallel: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        sequence_parallel: bool = False,
+        fuse_wgrad_accumulation: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        get_rng_state_tracker: Optional[Callable] = None,
+        rng_tracker_name: Optional[str] = None,
+        init_method: Optional[Callable] = None,
+        bias: bool = True,
+        return_bias: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        parallel_mode: Optional[str] = None,
+        parameters_split: Optional[Union[Sequence[str], Dict[str, int]]] = None,
+        device=None,
+        ub_overlap_ag: bool = False,
+        ub_overlap_rs: bool = False,
+        ub_overlap_rs_dgrad: bool = False,
+        ub_bulk_dgrad: bool = False,
+        ub_bulk_wgrad: bool = False,
+        ub_name: Optional[str] = None,
+        delay_wgrad_compute: bool = False,
+        symmetric_ar_type: Optional[str] = None,
+        save_original_input: bool = False,
+        name: Optional[str] = None,
+        *,
+        dtype: Optional[torch.dtype] = None,
+    ):
+        torch.nn.Module.__init__(self)
         if params_dtype is not None and dtype is not None and params_dtype != dtype:
             raise ValueError(f"Linear: params_dtype={params_dtype} and dtype={dtype} disagree")
-        tp = tensor_parallel(parallel_mode, tp_group, sequence_parallel)
-        local_in, local_out = in_features, out_features
-        if tp is not None:
-            split = out_features if tp.mode == "column" else in_features
-            if split % tp.size:
-                name = "out_features" if tp.mode == "column" else "in_features"
-                raise ValueError(f"Linear: {name}={split} is not divisible by the tensor-parallel size {tp.size}")
-            local_out, local_in = (local_out // tp.size, local_in) if tp.mode == "column" \
-                else (local_out, local_in // tp.size)
-        torch.nn.Linear.__init__(self, local_in, local_out, bias=bias, device=device,
-                                 dtype=params_dtype if params_dtype is not None else dtype)
-        self.in_features, self.out_features = in_features, out_features  # full sizes, as Transformer Engine
-        self._local_in_features = local_in
-        self.parallel_mode, self.sequence_parallel = parallel_mode, sequence_parallel
-        self.tensor_parallel = tp
-        self.tp_size = 1 if tp is None else tp.size
-        if tp is not None and tp.mode == "row":
-            self.reset_parameters()  # again, now with the full layer's fan-in
-        self._fp8_label = (f"Linear(in_features={in_features}, out_features={out_features}, bias={bias}"
-                           + (f", parallel_mode={parallel_mode}, tp_size={self.tp_size}, "
-                              f"sequence_parallel={sequence_parallel}" if parallel_mode else "") + ")")
-        self._init_fp8_meta(num_gemms=1)
-        self._weight_fp8: Optional[Float8Tensor] = None
-        self.fp8_stats = None  # a fp8kit.pytorch.stats.ModuleStats while fp8kit.pytorch.enable_stats is on
-
-    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None) -> torch.Tensor:
-        """`inp` `[..., in_features]`. `is_first_microbatch`: None casts the weight at every call; True casts it
-        and caches the FP8 weight; False reuses that cache (gradient accumulation over microbatches)."""
-        frame = current_frame()
-        tp = self.tensor_parallel
-        if frame is None or not (frame.enabled or frame.records_amax):
-            if tp is None:
-                return F.linear(inp, self.weight, self.bias)
-            return self._forward_high_precision(inp)
-        autocast_on = torch.is_autocast_enabled(inp.device.type)
-        inp, weight, bias = self._operands(inp, autocast_on)
-        leading = inp.shape[:-1]
-        x = inp.reshape(-1, self._local_in_features)
-        recipe = frame.recipe
-        fp8 = tuple(frame.enabled and not o for o in recipe.override_linear_precision)
-        if x.is_cuda and any(fp8):
-            rows = x.shape[0] * (tp.size if tp is not None and tp.gathers_input else 1)
-            check_cuda_shape(rows, weight.shape[1], weight.shape[0])
-        if tp is not None and isinstance(recipe, DelayedScaling) and (
-                (tp.gathers_input and (fp8[0] or fp8[2])) or (tp.gathers_grad_output and (fp8[1] or fp8[2]))):
-            check_shared_scales(frame, tp)
-        input_q, weight_q, grad_q = self._quantizers(frame, weight.device)
-        if self.fp8_stats is not None:
-            self.fp8_stats.attach(input_q, weight_q, grad_q)
-        cached = self._cached_weight(is_first_microbatch, frame.enabled, weight_q.fp8_dtype)
-        needs_backward = torch.is_grad_enabled() and (
-            inp.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
-        track = frame.records_amax and needs_backward
-        if frame.records_amax:
-            frame.step.forward_called(frame.key, needs_backward)
-        plan = _Plan(input_q, weight_q, grad_q, fp8, not frame.enabled, cached, frame.step, track, tp)
-        if autocast_on:  # the operands are cast already; the GEMMs pick their dtypes
-            with torch.autocast(x.device.type, enabled=False):
-                y = _LinearFunction.apply(x, weight, bias, plan)
-        else:
-            y = _LinearFunction.apply(x, weight, bias, plan)
-        if is_first_microbatch is not None and frame.enabled:
-            self._weight_fp8 = plan.weight_fp8
-        if tp is not None:
-            return y.reshape(*self._output_leading(leading), y.shape[-1])
-        return y.reshape(*leading, self.out_features)
-
-    @property
-    def tp_group(self):
-        """The tensor-parallel process group, or None."""
-        return None if self.tensor_parallel is None else self.tensor_parallel.group
-
-    def _forward_high_precision(self, inp: torch.Tensor) -> torch.Tensor:
-        """A tensor-parallel layer outside FP8: the same collectives around high-precision GEMMs."""
-        inp, weight, bias = self._operands(inp)
-        leading = inp.shape[:-1]
-        plan = _Plan(None, None, None, (False, False, False), False, None, None, False, self.tensor_parallel)
-        with torch.autocast(inp.device.type, enabled=False):
-            y = _LinearFunction.apply(inp.reshape(-1, self._local_in_features), weight, bias, plan)
-        return y.reshape(*self._output_leading(leading), y.shape[-1])
-
-    def _output_leading(self, leading) -> tuple:
-        tp = self.tensor_parallel
-        if not tp.sequence_parallel:
-            return tuple(leading)
-        first = leading[0] * tp.size if tp.mode == "column" else leading[0] // tp.size
-        return (first,) + tuple(leading[1:])
+        self._setup_linear(
+            "Linear", in_features, out_features, sequence_parallel=sequence_parallel,
+            fuse_wgrad_accumulation=fuse_wgrad_accumulation, tp_group=tp_group, tp_size=tp_size,
+            get_rng_state_tracker=get_rng_state_tracker, rng_tracker_name=rng_tracker_name, init_method=init_method,
+            bias=bias, return_bias=return_bias, params_dtype=params_dtype or dtype or torch.get_default_dtype(),
+            parallel_mode=parallel_mode, parameters_split=parameters_split, device=device,
+            delay_wgrad_compute=delay_wgrad_compute, save_original_input=save_original_input, name=name,
+            ub_name=ub_name, symmetric_ar_type=symmetric_ar_type,
+            ub_options=dict(ub_overlap_ag=ub_overlap_ag, ub_overlap_rs=ub_overlap_rs,
+                            ub_overlap_rs_dgrad=ub_overlap_rs_dgrad, ub_bulk_dgrad=ub_bulk_dgrad,
+                            ub_bulk_wgrad=ub_bulk_wgrad))
+        self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """torch.nn.Linear's initialisation; a row-parallel shard uses the full layer's fan-in (`in_features`)."""
-        tp = getattr(self, "tensor_parallel", None)
-        if tp is None or tp.mode != "row":
-            return super().reset_parameters()
-        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)) of nn.Linear, for the full fan-in
-        torch.nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            torch.nn.init.uniform_(self.bias, -bound, bound)
+        """Transformer Engine's initialisation (see `reset_linear_parameters`)."""
+        self.reset_linear_parameters()
 
-    def _operands(self, inp: torch.Tensor, autocast_on: Optional[bool] = None):
-        if not isinstance(inp, torch.Tensor) or not inp.is_floating_point():
-            raise TypeError(f"Linear: input must be a floating tensor, got {getattr(inp, 'dtype', type(inp))}")
-        if inp.shape[-1:] != (self._local_in_features,):
-            local = "" if self._local_in_features == self.in_features else " / tp_size (row parallel)"
-            raise ValueError(f"Linear: input of shape {tuple(inp.shape)} does not end with "
-                             f"in_features{local}={self._local_in_features}")
-        tp = self.tensor_parallel
-        if tp is not None and tp.sequence_parallel:
-            if inp.dim() < 2:
-                raise ValueError("Linear(sequence_parallel=True): the input needs a sequence dimension first, "
-                                 f"got shape {tuple(inp.shape)}")
-            if tp.mode == "row" and inp.shape[0] % tp.size:
-                raise ValueError(f"Linear(parallel_mode='row', sequence_parallel=True): the sequence dimension "
-                                 f"({inp.shape[0]}) must be divisible by the tensor-parallel size {tp.size}")
-        weight, bias = self.weight, self.bias
-        if autocast_on is None:
-            autocast_on = torch.is_autocast_enabled(inp.device.type)
-        if autocast_on:
-            dtype = torch.get_autocast_dtype(inp.device.type)
-            inp, weight = inp.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-        if inp.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
-            raise TypeError(
-                f"Linear: input dtype {inp.dtype} does not match weight dtype {weight.dtype}"
-                + (f" and bias dtype {bias.dtype}" if bias is not None else "")
-                + "; cast the input or the module, or run under torch.autocast")
-        if inp.device != weight.device:
-            raise ValueError(f"Linear: input is on {inp.device} but the weight is on {weight.device}")
-        return inp, weight, bias
+    def forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool] = None, fp8_output: bool = False,
+                fp8_grad: bool = False):
+        """`inp` `[..., in_features]` -> `[..., out_features]` (and the bias, with `return_bias=True`).
 
-    def _quantizers(self, frame, device):
-        recipe = frame.recipe
-        fmt = recipe.fp8_format.value
-        fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
-        if isinstance(recipe, DelayedScaling):
-            fwd, bwd = self.fp8_states(frame, device)
-            return DelayedQuantizer(fwd, 0, fwd_dtype), DelayedQuantizer(fwd, 1, fwd_dtype), \
-                DelayedQuantizer(bwd, 0, bwd_dtype)
-        eps, pow2 = recipe.amax_epsilon, recipe.use_power_2_scales
-        tp = self.tensor_parallel
-        if tp is None:
-            return CurrentQuantizer(fwd_dtype, eps, pow2), CurrentQuantizer(fwd_dtype, eps, pow2), \
-                CurrentQuantizer(bwd_dtype, eps, pow2)
-        # Every tensor split over the tensor-parallel group (gathered ones included) is cast with the amax of the
-        # whole tensor, so the FP8 bytes equal a single-process run's; replicated tensors need no reduction.
-        column, sp, group = tp.mode == "column", tp.sequence_parallel, tp.group
-        return CurrentQuantizer(fwd_dtype, eps, pow2, group if (sp or not column) else None), \
-            CurrentQuantizer(fwd_dtype, eps, pow2, group), \
-            CurrentQuantizer(bwd_dtype, eps, pow2, group if (sp or column) else None)
-
-    def _cached_weight(self, is_first_microbatch, enabled: bool, fp8_dtype) -> Optional[Float8Tensor]:
-        cache = self._weight_fp8
-        if is_first_microbatch is False and enabled and cache is not None and cache.fp8_dtype == fp8_dtype \
-                and cache.data.device == self.weight.device:
-            return cache
-        return None
+        is_first_microbatch: None casts the weight at every call; True casts it and caches the FP8 weight; False
+          reuses that cache (gradient accumulation over microbatches). With `fuse_wgrad_accumulation`, True also
+          makes the weight gradient overwrite `main_grad`.
+        fp8_output, fp8_grad: Transformer Engine's FP8 outputs for FP8 attention, which fp8kit does not implement.
+        """
+        y = self.linear_forward(inp, is_first_microbatch, fp8_output, fp8_grad)
+        return (y, self.full_bias()) if self.return_bias else y
 
     def extra_repr(self) -> str:
         extra = f", parallel_mode={self.parallel_mode}, tp_size={self.tp_size}, " \
             f"sequence_parallel={self.sequence_parallel}" if self.parallel_mode else ""
-        return super().extra_repr() + f", dtype={self.weight.dtype}" + extra
+        dtype = getattr(self, self.weight_names[0]).dtype
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.use_bias}, "
+                f"dtype={dtype}" + extra)

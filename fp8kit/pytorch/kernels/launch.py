@@ -1,0 +1,119 @@
+"""Launching the Triton kernels: the kernel module for a device, the device guard, launch observers, and the
+argument checks the host functions share. Imports torch only.
+
+Meta tensors: a launch on the `meta` device validates and allocates like any other but runs nothing (meta tensors
+have no data). That is how the tests walk the accelerator path on a CPU (tests/test_cuda_path.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import List, NamedTuple, Sequence, Tuple
+
+import torch
+
+FP8_INFO = {torch.float8_e4m3fn: (448.0, True), torch.float8_e5m2: (57344.0, False)}  # dtype: (max, is E4M3)
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Launch(NamedTuple):
+    """One kernel launch as `observe_launches` records it: the kernel's name, its grid, the device, and the tensors
+    it reads and writes (full tensors, as the host function passed them)."""
+
+    kernel: str
+    grid: Tuple[int, ...]
+    device: torch.device
+    reads: Tuple[torch.Tensor, ...]
+    writes: Tuple[torch.Tensor, ...]
+
+
+_observers: List[list] = []
+
+
+@contextlib.contextmanager
+def observe_launches():
+    """Record every kernel launch made in this scope (on any device, meta included); yields the list of `Launch`
+    records, which grows as kernels are launched."""
+    records: list = []
+    _observers.append(records)
+    try:
+        yield records
+    finally:
+        _observers.remove(records)
+
+
+def module_for(device: torch.device):
+    """The kernel module that runs on `device`: compiled for CUDA, interpreted for CPU (needs TRITON_INTERPRET=1)."""
+    from . import interpreter_on, kernel_module  # lazy: the package imports this file
+
+    if device.type == "cuda":
+        return kernel_module(False)
+    if device.type == "cpu":
+        if not interpreter_on():
+            raise RuntimeError("fp8kit Triton kernels run on CPU tensors only in Triton's interpreter: set "
+                               "TRITON_INTERPRET=1")
+        return kernel_module(True)
+    raise RuntimeError(f"fp8kit Triton kernels: unsupported device {device}")
+
+
+def _context(device: torch.device):
+    """CUDA: make `device` current for the launch (Triton launches on the current device and its current stream).
+    CPU: the interpreter computes in NumPy, which warns on the divisions by 0 and overflows the kernels handle."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    if device.type == "cpu":
+        import numpy as np
+
+        return np.errstate(divide="ignore", over="ignore", invalid="ignore")
+    return contextlib.nullcontext()
+
+
+def launch(kernel: str, grid: Tuple[int, ...], device: torch.device, args: Sequence, constexprs: dict,
+           reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()) -> None:
+    """Launch `kernel` (a name in the kernel module) on `grid` with `args` and `constexprs`, on `device` (made
+    current for the launch). `reads`/`writes` name the large tensors it touches, for `observe_launches`. On the
+    meta device nothing runs."""
+    if _observers:
+        record = Launch(kernel, tuple(grid), device, tuple(reads), tuple(writes))
+        for records in _observers:
+            records.append(record)
+    if device.type == "meta":
+        return
+    fn = getattr(module_for(device), kernel)
+    with _context(device):
+        fn[tuple(grid)](*args, **constexprs)
+
+
+def cdiv(a: int, b: int) -> int:
+    """`ceil(a / b)` for non-negative ints."""
+    return -(-a // b)
+
+
+def check_input(x, where: str) -> Tuple[int, int]:
+    """(M, N) of `x` seen as a row-major 2-D [prod(shape[:-1]), shape[-1]] (a 0-d tensor is [1, 1]); TypeError or
+    ValueError naming the problem for anything the kernels cannot take."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{where}: x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in INPUT_DTYPES:
+        raise TypeError(f"{where}: x must be a float32/bfloat16/float16 tensor, got dtype {x.dtype}")
+    if not x.is_contiguous():
+        raise ValueError(f"{where}: x must be contiguous, got shape {tuple(x.shape)} with strides {x.stride()}")
+    n = x.shape[-1] if x.dim() else 1
+    return (x.numel() // n if n else 0), n
+
+
+def check_scalar(t, x: torch.Tensor, name: str, where: str) -> None:
+    """`t` must be a float32 tensor with one element on x's device."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{where}: {name} must be a float32 tensor with one element on {x.device}, got "
+                        f"{type(t).__name__}")
+    if t.dtype != torch.float32 or t.numel() != 1 or t.device != x.device:
+        raise TypeError(f"{where}: {name} must be a float32 tensor with one element on {x.device}, got dtype "
+                        f"{t.dtype}, shape {tuple(t.shape)} on {t.device}")
+
+
+def fp8_info(fp8_dtype, where: str) -> Tuple[float, bool]:
+    """(fp8_max, is_e4m3) of an FP8 dtype, or a TypeError naming it."""
+    if fp8_dtype not in FP8_INFO:
+        raise TypeError(f"{where}: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
+    return FP8_INFO[fp8_dtype]

@@ -1,0 +1,210 @@
+"""What the layers with one (possibly split) weight share: Transformer Engine's parameter layout and
+initialisation, tensor parallelism, the forward of the weight's GEMM (FP8 or high precision), delayed weight
+gradients. `Linear` and `LayerNormLinear` derive from it."""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ...recipe import DelayedScaling
+from ..distributed import check_shared_scales, tensor_parallel
+from ..gemm import check_cuda_shape
+from .base import FP8StateMixin
+from .linear_function import LinearPlan, WeightGradStore, fp8_linear
+from .setup import (
+    accept_userbuffer_options,
+    check_operands,
+    default_init_method,
+    divide,
+    gemm_plan,
+    init_parameter,
+    keep_cached_weight,
+    resolve_tensor_parallel,
+    weight_splits,
+)
+
+__all__ = ["LinearBase"]
+
+
+class LinearBase(FP8StateMixin):
+    """Mixed into a torch.nn.Module holding one weight `[out_features, in_features]` (possibly split into named
+    parameters) and its bias; see `Linear` for the arguments."""
+
+    def _setup_linear(self, kind: str, in_features: int, out_features: int, *, sequence_parallel: bool,
+                      fuse_wgrad_accumulation: bool, tp_group, tp_size: int, get_rng_state_tracker: Optional[Callable],
+                      rng_tracker_name: Optional[str], init_method: Optional[Callable], bias: bool,
+                      return_bias: bool, params_dtype: torch.dtype, parallel_mode: Optional[str],
+                      parameters_split, device, delay_wgrad_compute: bool, save_original_input: bool,
+                      name: Optional[str], ub_name: Optional[str], symmetric_ar_type, ub_options: dict) -> None:
+        """Set the attributes and create the weight and bias parameters (not initialised: `reset_parameters`)."""
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{kind}: {arg} must be an int >= 0, got {value!r}")
+        accept_userbuffer_options(kind, symmetric_ar_type, **ub_options)
+        self.tensor_parallel, self.tp_size = resolve_tensor_parallel(parallel_mode, tp_group, tp_size,
+                                                                     sequence_parallel)
+        self.parallel_mode = parallel_mode
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1 and parallel_mode is not None
+        column, row = parallel_mode == "column", parallel_mode == "row"
+        self.in_features = divide(in_features, self.tp_size, "in_features") if row else in_features
+        self.out_features = divide(out_features, self.tp_size, "out_features") if column else out_features
+        self.weight_names, self.bias_names, self.parameter_split_sizes = weight_splits(
+            parameters_split, out_features, self.tp_size, column)
+        if parameters_split is not None and (fuse_wgrad_accumulation or delay_wgrad_compute):
+            raise ValueError(f"{kind}: fuse_wgrad_accumulation and delay_wgrad_compute need one weight parameter, "
+                             "not parameters_split")
+        self.use_bias, self.return_bias = bool(bias), bool(return_bias)
+        self.fuse_wgrad_accumulation = bool(fuse_wgrad_accumulation)
+        self.wgrad_store = WeightGradStore() if delay_wgrad_compute else None
+        self.save_original_input = bool(save_original_input)
+        self.get_rng_state_tracker, self.rng_tracker_name = get_rng_state_tracker, rng_tracker_name
+        self.init_method = init_method
+        self.name, self.ub_name, self.symmetric_ar_type = name, ub_name, symmetric_ar_type
+        self._kind = kind
+        weight = torch.empty(self.out_features, self.in_features, device=device, dtype=params_dtype)
+        offsets = [0]
+        for size in self.parameter_split_sizes:
+            offsets.append(offsets[-1] + size)
+        for wname, start, end in zip(self.weight_names, offsets, offsets[1:]):
+            self.register_parameter(wname, torch.nn.Parameter(weight[start:end]))
+        if self.use_bias:
+            full_bias = torch.empty(self.out_features, device=device, dtype=params_dtype)
+            for bname, start, end in zip(self.bias_names, offsets, offsets[1:]):
+                self.register_parameter(bname, torch.nn.Parameter(full_bias[start:end]))
+        elif self.weight_names == ["weight"]:
+            self.register_parameter("bias", None)
+        self._fp8_label = (f"{kind}(in_features={in_features}, out_features={out_features}, bias={bias}"
+                           + (f", parallel_mode={parallel_mode}, tp_size={self.tp_size}, "
+                              f"sequence_parallel={self.sequence_parallel}" if parallel_mode else "")
+                           + (f", name={name!r}" if name else "") + ")")
+        self._init_fp8_meta(num_gemms=1)
+        self.fp8_weight_cache: Dict[int, object] = {}
+        self.fp8_stats = None  # a fp8kit.pytorch.stats.ModuleStats while fp8kit.pytorch.enable_stats is on
+
+    # ---- parameters ----
+
+    def reset_linear_parameters(self) -> None:
+        """Transformer Engine's initialisation: `init_method` (default normal, std 0.023) on each weight, under
+        `get_rng_state_tracker`'s state if given; zeros for the bias."""
+        init_fn = self.init_method or default_init_method()
+        for wname in self.weight_names:
+            init_parameter(getattr(self, wname), init_fn, self.get_rng_state_tracker, self.rng_tracker_name)
+        if self.use_bias:
+            with torch.no_grad():
+                for bname in self.bias_names:
+                    getattr(self, bname).zero_()
+
+    def full_weight(self) -> torch.Tensor:
+        """The weight `[out_features, in_features]` (the split parameters concatenated, with autograd)."""
+        if len(self.weight_names) == 1:
+            return getattr(self, self.weight_names[0])
+        return torch.cat([getattr(self, n) for n in self.weight_names])
+
+    def full_bias(self) -> Optional[torch.Tensor]:
+        if not self.use_bias:
+            return None
+        if len(self.bias_names) == 1:
+            return getattr(self, self.bias_names[0])
+        return torch.cat([getattr(self, n) for n in self.bias_names])
+
+    # ---- tensor parallelism ----
+
+    @property
+    def tp_group(self):
+        """The tensor-parallel process group, or None."""
+        return None if self.tensor_parallel is None else self.tensor_parallel.group
+
+    def set_tensor_parallel_group(self, tp_group) -> None:
+        """Supply the tensor-parallel group (of size `tp_size`) of a layer built with `tp_size` and no group."""
+        tp = tensor_parallel(self.parallel_mode, tp_group, self.sequence_parallel)
+        if tp is not None and tp.size != self.tp_size:
+            raise ValueError(f"{self._kind}.set_tensor_parallel_group: the group has {tp.size} ranks, the layer was "
+                             f"built for tp_size={self.tp_size}")
+        self.tensor_parallel = tp
+
+    def current_scaling_groups(self):
+        """Every tensor split over the tensor-parallel group (gathered ones included) is cast with the amax of the
+        whole tensor, so the FP8 bytes equal a single-process run's; replicated tensors need no reduction."""
+        tp = self.tensor_parallel
+        if tp is None:
+            return None, None, None
+        column, sp, group = tp.mode == "column", tp.sequence_parallel, tp.group
+        return group if (sp or not column) else None, group, group if (sp or column) else None
+
+    # ---- forward ----
+
+    def linear_forward(self, inp: torch.Tensor, is_first_microbatch: Optional[bool], fp8_output: bool = False,
+                       fp8_grad: bool = False) -> torch.Tensor:
+        """The weight's GEMM on `inp` `[..., in_features]` (bias added unless `return_bias`)."""
+        if fp8_output or fp8_grad:
+            raise NotImplementedError(f"{self._kind}(fp8_output=True / fp8_grad=True) returns FP8 tensors for FP8 "
+                                      "attention in Transformer Engine, which fp8kit does not implement")
+        weight, bias = self.full_weight(), self.full_bias()
+        tp = self.tensor_parallel
+        if self.tp_size > 1 and tp is None and self.parallel_mode is not None:
+            raise RuntimeError(f"{self._kind}(tp_size={self.tp_size}) has no tensor-parallel group: call "
+                               "set_tensor_parallel_group(group) before the first forward")
+        applied_bias = None if self.return_bias else bias
+        call = self.begin_fp8_call((inp, weight, bias), weight.device)
+        if call is None:
+            if tp is None:
+                return F.linear(inp, weight, applied_bias)
+            return self._run(inp, weight, applied_bias, LinearPlan(None, None, None, (False, False, False), tp=tp),
+                             torch.is_autocast_enabled(inp.device.type))
+        return self._forward_fp8(inp, weight, applied_bias, call, is_first_microbatch)
+
+    def _forward_fp8(self, inp, weight, bias, call, is_first_microbatch):
+        tp = self.tensor_parallel
+        if inp.is_cuda and any(call.fp8):
+            rows = math.prod(inp.shape[:-1]) * (tp.size if tp is not None and tp.gathers_input else 1)
+            check_cuda_shape(rows, weight.shape[1], weight.shape[0])
+        if tp is not None and isinstance(call.frame.recipe, DelayedScaling) and (
+                (tp.gathers_input and (call.fp8[0] or call.fp8[2]))
+                or (tp.gathers_grad_output and (call.fp8[1] or call.fp8[2]))):
+            check_shared_scales(call.frame, tp)
+        param = getattr(self, self.weight_names[0]) if len(self.weight_names) == 1 else None
+        plan = gemm_plan(self, call, 0, tp, is_first_microbatch, param)
+        y = self._run(inp, weight, bias, plan, torch.is_autocast_enabled(inp.device.type))
+        keep_cached_weight(self, 0, plan, is_first_microbatch, call)
+        return y
+
+    def _run(self, inp, weight, bias, plan: LinearPlan, autocast_on: bool) -> torch.Tensor:
+        inp, weight, bias = check_operands(self._kind, inp, weight, bias, self.in_features, autocast_on)
+        tp = plan.tp
+        if tp is not None and tp.sequence_parallel:
+            if inp.dim() < 2:
+                raise ValueError(f"{self._kind}(sequence_parallel=True): the input needs a sequence dimension first, "
+                                 f"got shape {tuple(inp.shape)}")
+            if tp.mode == "row" and inp.shape[0] % tp.size:
+                raise ValueError(f"{self._kind}(parallel_mode='row', sequence_parallel=True): the sequence dimension "
+                                 f"({inp.shape[0]}) must be divisible by the tensor-parallel size {tp.size}")
+        leading = inp.shape[:-1]
+        x = inp.reshape(math.prod(leading), self.in_features)
+        if autocast_on:  # the operands are cast already; the GEMMs pick their dtypes
+            with torch.autocast(x.device.type, enabled=False):
+                y = fp8_linear(x, weight, bias, plan)
+        else:
+            y = fp8_linear(x, weight, bias, plan)
+        if tp is not None and tp.sequence_parallel:
+            first = leading[0] * tp.size if tp.mode == "column" else leading[0] // tp.size
+            leading = (first,) + tuple(leading[1:])
+        return y.reshape(*leading, y.shape[-1])
+
+    # ---- delayed weight gradients ----
+
+    def need_backward_dw(self) -> bool:
+        """Whether `backward_dw()` has weight gradients to compute (`delay_wgrad_compute=True`)."""
+        return self.wgrad_store is not None and len(self.wgrad_store) > 0
+
+    def backward_dw(self) -> None:
+        """Compute the weight gradient a backward left for later (`delay_wgrad_compute=True`), oldest first: into
+        `weight.grad` (accumulated), or into `weight.main_grad` with `fuse_wgrad_accumulation`."""
+        if self.wgrad_store is None:
+            return
+        compute = self.wgrad_store.pop()
+        if compute is not None:
+            compute()

@@ -1,0 +1,264 @@
+"""The FP8 linear transformation as one autograd Function, shared by every module that multiplies by a weight
+(Linear, LayerNormLinear, LayerNormMLP, GroupedLinear, the attention projections).
+
+The three GEMMs of `y = x @ W.T + b`, for x `[M, K]`, W `[N, K]`, dy `[M, N]`:
+
+  fprop  y  = x  @ W.T    x: the input quantizer, W: the weight quantizer          E4M3 under HYBRID
+  dgrad  dx = dy @ W      dy: the grad_output quantizer, W: the FP8 weight          dy E5M2 under HYBRID
+  wgrad  dW = dy.T @ x    dy and the FP8 input saved by the forward pass
+
+Each accumulates in float32 and produces the input's dtype. The forward pass saves the FP8 input and the FP8
+weight, not the high-precision ones, unless a GEMM that needs them runs in high precision (`override_linear_precision`,
+`backward_override`) or `save_original_input` asks for the original input. The bias gradient is `dy.sum(0)` in high
+precision.
+
+Tensor parallelism (`plan.tp`; the sequence is the FIRST input dimension):
+
+  column  W [out/tp, in]   fprop: x (gathered along the sequence with SP, as FP8 bytes) -> y [.., out/tp]
+                           dgrad: partial dx all-reduced, or reduce-scattered along the sequence with SP
+  row     W [out, in/tp]   fprop: partial y all-reduced, or reduce-scattered along the sequence with SP; + bias
+                           dgrad/wgrad: with SP, dy gathered along the sequence as FP8 bytes; bias grad all-reduced
+
+Weight-gradient options (Transformer Engine's): `fuse_wgrad_accumulation` adds dW, computed in float32, into
+`weight.main_grad` in place (overwriting it on the first microbatch); `delay_wgrad_compute` keeps what the wgrad GEMM
+needs in a `WeightGradStore`, and the module's `backward_dw()` runs it later.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Callable, Deque, Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..distributed import all_gather_fp8, all_reduce_sum, gather_along_first_dim, reduce_scatter_along_first_dim
+from ..gemm import gemm
+from ..tensor import Float8Tensor
+
+__all__ = ["LinearPlan", "WeightGradStore", "fp8_linear"]
+
+
+class WeightGradStore:
+    """The weight-gradient computations a backward left for later (`delay_wgrad_compute=True`), oldest first."""
+
+    def __init__(self):
+        self._pending: Deque[Callable[[], None]] = collections.deque()
+
+    def put(self, compute: Callable[[], None]) -> None:
+        self._pending.append(compute)
+
+    def pop(self) -> Optional[Callable[[], None]]:
+        return self._pending.popleft() if self._pending else None
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def __deepcopy__(self, memo):
+        return WeightGradStore()
+
+
+class LinearPlan:
+    """What one FP8 GEMM of a module call decided.
+
+    input_q, weight_q, grad_q: the quantizers of x, W and dy (None when nothing runs in FP8).
+    fp8: (fprop, dgrad, wgrad): which GEMMs run in FP8.
+    calibrate: record amaxes, compute in high precision.
+    weight_fp8: a cached FP8 weight to use (`is_first_microbatch=False`, a recompute); set to the weight the forward
+      cast otherwise, so the module can cache it.
+    step, track_backward: the autocast step whose backward update waits for this GEMM's backward.
+    tp: a distributed.TensorParallel, or None.
+    fast_accum: (fprop, dgrad, wgrad): FP8 GEMMs that may use the tensor cores' fast accumulation on CUDA.
+    backward_override: None, "high_precision" (dgrad and wgrad on the original operands) or "dequantized" (on the
+      dequantized FP8 operands of the forward).
+    save_original_input: keep x, not its FP8 cast, for wgrad (which then casts it again; current scaling only).
+    weight_param: the weight Parameter (where `fuse_wgrad_accumulation` and `delay_wgrad_compute` put dW).
+    fuse_wgrad: add dW, in float32, into `weight_param.main_grad` and return no weight gradient.
+    overwrite_main_grad: write dW into main_grad instead of adding (the first microbatch).
+    wgrad_store: a WeightGradStore that receives the wgrad computation (`delay_wgrad_compute`), or None.
+    """
+
+    __slots__ = ("input_q", "weight_q", "grad_q", "fp8", "calibrate", "weight_fp8", "step", "track_backward", "tp",
+                 "fast_accum", "backward_override", "save_original_input", "weight_param", "fuse_wgrad",
+                 "overwrite_main_grad", "wgrad_store")
+
+    def __init__(self, input_q, weight_q, grad_q, fp8, calibrate=False, weight_fp8=None, step=None,
+                 track_backward=False, tp=None):
+        self.input_q, self.weight_q, self.grad_q = input_q, weight_q, grad_q
+        self.fp8 = fp8
+        self.calibrate = calibrate
+        self.weight_fp8: Optional[Float8Tensor] = weight_fp8
+        self.step, self.track_backward = step, track_backward
+        self.tp = tp
+        self.fast_accum = (True, False, False)
+        self.backward_override = None
+        self.save_original_input = False
+        self.weight_param = None
+        self.fuse_wgrad = False
+        self.overwrite_main_grad = False
+        self.wgrad_store = None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: LinearPlan) -> torch.Tensor:
+    """`x @ weight.T + bias` for x `[M, K]` with the GEMMs `plan` asks for (see the module docstring)."""
+    return _LinearFunction.apply(x, weight, bias, plan)
+
+
+def _backward_layout(q: Float8Tensor) -> torch.Tensor:
+    """The bytes to save of an FP8 operand: its transpose seen as a column-major view when the cast wrote one (what
+    the dgrad / wgrad GEMM reads without a copy), else its row-major data."""
+    return q.data_t.t() if q.data_t is not None else q.data
+
+
+def _dequantized(saved, inv, inv_value, dtype):
+    return Float8Tensor(saved, inv, dtype, inv_value).dequantize(dtype)
+
+
+class _LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: LinearPlan):
+        fprop, dgrad, wgrad = plan.fp8
+        mode = plan.backward_override
+        tp = plan.tp
+        gather = tp is not None and tp.gathers_input
+        row = tp is not None and tp.mode == "row"
+        x_fp8 = w_fp8 = None
+        if plan.calibrate:
+            plan.input_q.observe(x)
+            plan.weight_q.observe(weight)
+        keep_x_fp8 = wgrad and not plan.save_original_input
+        if fprop or keep_x_fp8:
+            # on accelerators the cast also writes the transpose wgrad reads (one pass with the kernels)
+            x_fp8 = plan.input_q.quantize(x, transpose=keep_x_fp8 and not gather)
+            if gather:  # quantized all-gather: every rank cast with the same scale, FP8 bytes on the wire
+                x_fp8 = all_gather_fp8(x_fp8, tp.group)
+        if gather and not (fprop and keep_x_fp8):
+            x = gather_along_first_dim(x, tp.group)
+        if fprop or dgrad:
+            if plan.weight_fp8 is None:
+                plan.weight_fp8 = plan.weight_q.quantize(weight, transpose=dgrad)
+            w_fp8 = plan.weight_fp8
+        fused_bias = None if row else bias  # row parallel: the bias is added once, after the reduction
+        if fprop:
+            y = gemm(x_fp8, w_fp8.t(), x.dtype, fused_bias, use_fast_accum=plan.fast_accum[0])
+        else:
+            y = F.linear(x, weight, fused_bias)
+        if row:
+            y = reduce_scatter_along_first_dim(y, tp.group) if tp.sequence_parallel else all_reduce_sum(y, tp.group)
+            if bias is not None:
+                y = y + bias
+        # Save FP8 operands where the backward uses them, high-precision ones only where it must.
+        x_as_fp8 = keep_x_fp8 or (mode == "dequantized" and fprop and not plan.save_original_input)
+        w_as_fp8 = dgrad or (mode == "dequantized" and fprop)
+        ctx.save_for_backward(  # an FP8 operand with its transpose is saved as that (column-major) layout
+            _backward_layout(x_fp8) if x_as_fp8 else x,
+            x_fp8._scale_inv if x_as_fp8 else None,
+            _backward_layout(w_fp8) if w_as_fp8 else weight,
+            w_fp8._scale_inv if w_as_fp8 else None,
+        )
+        ctx.plan = plan
+        ctx.as_fp8 = (x_as_fp8, w_as_fp8)
+        ctx.inv_values = (x_fp8.scale_inv_value if x_as_fp8 else None, w_fp8.scale_inv_value if w_as_fp8 else None)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.has_bias = bias is not None
+        return y
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        plan = ctx.plan
+        _, dgrad, wgrad = plan.fp8
+        if torch.is_grad_enabled() and (dgrad or wgrad):
+            raise RuntimeError(
+                "fp8kit: a backward with create_graph=True (double backward, e.g. a gradient penalty) reached an FP8 "
+                "GEMM: FP8 GEMMs have no second-order gradients. Run the part of the model you differentiate "
+                "twice outside fp8kit.pytorch.autocast (or with override_linear_precision=(False, True, True)).")
+        tp = plan.tp
+        gather = tp is not None and tp.gathers_grad_output
+        x_saved, x_inv, w_saved, w_inv = ctx.saved_tensors
+        x_as_fp8, w_as_fp8 = ctx.as_fp8
+        x_dtype, w_dtype = ctx.dtypes
+        dy = dy.contiguous()
+        if plan.calibrate:
+            plan.grad_q.observe(dy)
+        db = dy_fp8 = None
+        want_db = ctx.has_bias and ctx.needs_input_grad[2]
+        if want_db and (dgrad or wgrad):  # the bias gradient from the same pass over dy (fused with the kernels)
+            dy_fp8, db = plan.grad_q.quantize_dbias(dy)
+        elif dgrad or wgrad:
+            dy_fp8 = plan.grad_q.quantize(dy, transpose=wgrad and not gather)
+        dy_local = dy
+        if gather:  # row parallel with SP: dy arrives split along the sequence
+            if dy_fp8 is not None:
+                dy_fp8 = all_gather_fp8(dy_fp8, tp.group)
+            if not (dgrad and wgrad):
+                dy = gather_along_first_dim(dy, tp.group)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            if dgrad:
+                dx = gemm(dy_fp8, Float8Tensor(w_saved, w_inv, None, ctx.inv_values[1]), x_dtype,
+                          use_fast_accum=plan.fast_accum[1])
+            else:
+                w = _dequantized(w_saved, w_inv, ctx.inv_values[1], dy.dtype) if w_as_fp8 else w_saved
+                dx = dy @ w
+            if tp is not None and tp.mode == "column":  # partial sums over the output shards
+                dx = reduce_scatter_along_first_dim(dx, tp.group) if tp.sequence_parallel \
+                    else all_reduce_sum(dx, tp.group)
+        if ctx.needs_input_grad[1]:
+            if x_as_fp8:
+                x_operand = Float8Tensor(x_saved, x_inv, None, ctx.inv_values[0])
+            elif wgrad:  # save_original_input: cast the original input again (current scaling repeats its bytes)
+                x_operand = plan.input_q.quantize(x_saved)
+            else:
+                x_operand = x_saved
+            dw = _weight_grad(plan, dy_fp8 if wgrad else dy, x_operand, wgrad, w_dtype)
+        if want_db:
+            if db is None:
+                db = dy_local.sum(0)
+            if gather:
+                db = all_reduce_sum(db, tp.group)
+        if plan.track_backward:
+            plan.step.backward_done()
+        return dx, dw, db, None
+
+
+def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """dW = dy.T @ x (FP8 or high precision), returned, or added into main_grad / left for backward_dw."""
+    fuse = plan.fuse_wgrad
+    out_dtype = torch.float32 if fuse else w_dtype
+
+    def compute() -> torch.Tensor:
+        if fp8:
+            return gemm(dy.t(), x, out_dtype, use_fast_accum=plan.fast_accum[2])
+        if isinstance(x, Float8Tensor):  # backward_override="dequantized"
+            x_hp = x.dequantize(dy.dtype)
+        else:
+            x_hp = x
+        return (dy.t() @ x_hp).to(out_dtype)
+
+    if not fuse and plan.wgrad_store is None:
+        return compute()
+    param, overwrite = plan.weight_param, plan.overwrite_main_grad
+
+    def apply() -> None:
+        dw = compute()
+        if fuse:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is None:
+                raise RuntimeError("fp8kit: fuse_wgrad_accumulation=True needs weight.main_grad (a float32 buffer of "
+                                   "the weight's shape) before the backward")
+            if overwrite:
+                main_grad.copy_(dw)
+            else:
+                main_grad.add_(dw)
+        else:  # delayed: the gradient autograd would have accumulated into .grad
+            dw = dw.to(param.dtype)
+            param.grad = dw if param.grad is None else param.grad + dw
+
+    if plan.wgrad_store is not None:
+        plan.wgrad_store.put(apply)
+        return None
+    apply()
+    if hasattr(param, "grad_added_to_main_grad"):  # Megatron's DDP: a dummy gradient, the real one is in main_grad
+        param.grad_added_to_main_grad = True
+        return torch.zeros_like(param)
+    return None
