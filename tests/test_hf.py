@@ -184,6 +184,34 @@ def test_fp8_checkpoint_loads_into_the_stock_class_and_back(text):
                        state["transformer.h.1.mlp.c_fc.fp8_meta.scaling_fwd.scale"])
 
 
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_gpt2_gradient_checkpointing_is_bit_identical(text, use_reentrant):
+    """The Conv1D layers under Hugging Face's activation checkpointing: the recompute repeats the FP8 forward, so
+    losses, gradients and FP8 state equal those of the same steps without it (SPEC 8b)."""
+    import warnings
+
+    runs = []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        model = te.convert_model(gpt2(), module_filter=lambda m, fqn: fqn != "lm_head")
+        if checkpointing:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+        model.train()
+        seen = []
+        for step in range(2):
+            loss = step_loss(model, batch(text, step), DELAYED)
+            loss.backward()
+            seen += [loss.detach()] + [p.grad.clone() for p in model.parameters()]
+            model.zero_grad()
+        runs.append((seen, model.state_dict()))
+    assert model.is_gradient_checkpointing
+    (a, sa), (b, sb) = runs
+    assert all(torch.equal(u, v) for u, v in zip(a, b)) and len(a) == len(b)
+    assert sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
 # ---- save_pretrained -> from_pretrained --------------------------------------------------------------------
 
 

@@ -230,15 +230,14 @@ def test_trainer_trains_in_fp8_evaluates_outside_and_resumes_bit_identically(tmp
     assert losses(third)[-3:] != losses(first)[-3:]
 
 
-@pytest.mark.skip(reason="issue 11: FP8 recompute is being fixed in the core; today the recompute of a "
-                         "checkpointed layer runs outside fp8kit's autocast and torch.utils.checkpoint stops with a "
-                         "CheckpointError (recomputed tensors differ from the saved FP8 ones)")
 def test_trainer_with_gradient_checkpointing(tmp_path):
     """FP8 recompute (activation checkpointing) must give the losses and state of the run without it."""
     plain = trainer(tmp_path / "plain", fresh())
     plain.train()
-    checkpointed = trainer(tmp_path / "gc", fresh(), gradient_checkpointing=True)
+    checkpointed = trainer(tmp_path / "gc", fresh(), activation_checkpointing=True,  # was gradient_checkpointing
+                           activation_checkpointing_kwargs={"use_reentrant": False})
     checkpointed.train()
+    assert checkpointed.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
     assert losses(checkpointed) == losses(plain)
     assert_same_state(plain.model, checkpointed.model)
 

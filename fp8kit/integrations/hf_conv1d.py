@@ -104,10 +104,20 @@ class Conv1D(HFConv1D):
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         fp8_keys = {k: v for k, v in state_dict.items() if k.startswith(prefix + "fp8_meta.")}
-        if fp8_keys:  # the engine takes them off unexpected_keys and loads (or reports) them
-            with torch.no_grad(), self._bound() as engine:
-                engine._load_from_state_dict(fp8_keys, prefix, local_metadata, strict, missing_keys,
-                                             unexpected_keys, error_msgs)
+        if not fp8_keys:
+            return
+        # The engine takes them off unexpected_keys and loads (or reports) them; while it does, it holds this
+        # module's Parameters themselves (registered), as a Linear does, so it finds their device.
+        engine = self.fp8_engine
+        engine.weight, engine.bias = self.weight, self.bias
+        before = len(missing_keys)
+        try:
+            engine._load_from_state_dict(fp8_keys, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                         error_msgs)
+        finally:
+            del engine.weight, engine.bias
+        # It was shown the FP8 entries only: its report of the parameters (loaded above) is not news.
+        missing_keys[before:] = [k for k in missing_keys[before:] if k not in (prefix + "weight", prefix + "bias")]
 
     def __repr__(self) -> str:
         return f"Conv1D(nf={self.nf}, nx={self.nx}, fp8kit)"
