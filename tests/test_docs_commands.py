@@ -32,6 +32,7 @@ FRAGMENTS = {
     ("docs/distributed.md", "import fp8kit.pytorch as te"):
         "needs an initialised process group (`group`), a `model` and an input `x`",
     ("docs/distributed.md", "model = DistributedDataParallel(model)"): "needs torch.distributed and a `model`",
+    ("docs/kernels.md", "# forward"): "Linear's GEMM code paraphrased (needs the layer's `plan`, `x`, `weight`, `dy`)",
     ("docs/jax.md", "recipe = Float8CurrentScaling(fp8_format=Format.HYBRID)"):
         "continues the first block and uses `jax`, `jnp` without importing them",
     ("docs/jax.md", "recipe = DelayedScaling(amax_history_len=1024, amax_compute_algo=\"max\")"):
