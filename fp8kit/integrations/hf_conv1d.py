@@ -6,10 +6,11 @@ objects, names and layout, so a checkpoint of the converted model loads into the
 (the FP8 state adds `<name>.fp8_meta.*` keys, as for fp8kit's Linear).
 
 The class subclasses Hugging Face's Conv1D, so code that checks `isinstance(m, Conv1D)` (GPT-2's weight
-initialisation, PEFT's `fan_in_fan_out`) treats it as one, and it is NOT a torch.nn.Linear, so code that expects a
-Linear's `[out, in]` weight leaves it alone. The FP8 GEMMs are those of an `fp8kit.pytorch.Linear` that the module
-owns privately (not a submodule) and hands a transposed view of its weight at every call: the same numbers as
-`fp8kit.pytorch.Linear(nx, nf)` holding `weight.T`, bit for bit.
+initialisation, for one) treats it as one, and it is NOT a torch.nn.Linear, so code that expects a Linear's
+`[out, in]` weight leaves it alone. The FP8 GEMMs are those of an `fp8kit.pytorch.Linear` that the module
+owns privately (not a submodule) and hands its weight, transposed into a contiguous copy inside the autograd
+graph, at every call: the same numbers as `fp8kit.pytorch.Linear(nx, nf)` holding `weight.T`, bit for bit (tested),
+for one more read and write of the weight per call.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Conv1D(HFConv1D):
             self.bias = None
         # Not a submodule: state_dict keys stay `<name>.weight`, `<name>.bias`, `<name>.fp8_meta.*`.
         engine = Linear(nx, nf, bias=bias, device="meta")
-        del engine.weight, engine.bias  # it works on views of this module's parameters, bound at each call
+        del engine.weight, engine.bias  # it gets this module's parameters, transposed, for each call
         self.__dict__["fp8_engine"] = engine
 
     @classmethod
