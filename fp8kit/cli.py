@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plain: a GPT written with fp8kit Linear layers (default); te: the same GPT built from "
                            "te.TransformerLayer blocks (Transformer Engine's module)")
     demo.add_argument("--no-stats", action="store_true", help="do not record FP8 numerics statistics")
-    demo.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    demo.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     demo.set_defaults(run=_run_demo, subparser=demo)
 
     from fp8kit import bench

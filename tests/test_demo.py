@@ -61,6 +61,43 @@ def test_figures(demo):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_difference_from_bf16(demo):
+    """The third panel: each FP8 run's smoothed training loss relative to bf16's (computed here independently
+    with NumPy), validation points, and the final validation difference of the results table in the legend."""
+    _, results = demo
+    runs = results["runs"]
+    diffs = plots.bf16_differences(runs)
+    assert [d["recipe"] for d in diffs] == ["current", "delayed"]
+
+    def ema(values, beta=0.9):
+        avg, out = 0.0, []
+        for i, v in enumerate(values):
+            avg = beta * avg + (1 - beta) * v
+            out.append(avg / (1 - beta ** (i + 1)))
+        return np.array(out)
+
+    base = ema(runs[0]["curves"]["train_loss"])
+    table = demo_run.results_table(runs).splitlines()
+    for d, run in zip(diffs, runs[1:]):
+        assert d["step"] == run["curves"]["step"]
+        np.testing.assert_allclose(d["train_pct"], 100 * (ema(run["curves"]["train_loss"]) / base - 1), rtol=1e-12)
+        assert d["val_step"] == [4, 8] and d["val_pct"][-1] == pytest.approx(d["final_pct"])
+        row = next(line for line in table if line.startswith(run["recipe"]))
+        assert f"{d['final_pct']:+.2f}%" == row.split()[3]  # the "vs bf16" column
+    assert plots.bf16_differences(runs[1:]) == []  # no bf16 run, no panel
+    plt = pytest.importorskip("matplotlib.pyplot")
+    fig = plots.loss_figure(runs)
+    try:
+        assert len(fig.axes) == 3
+        labels = [t.get_text() for t in fig.axes[2].get_legend().get_texts()]
+        assert labels == ["bf16"] + [f"{d['recipe']} train (final val {d['final_pct']:+.2f}%)" for d in diffs]
+    finally:
+        plt.close(fig)
+    fig = plots.loss_figure(runs[1:])
+    assert len(fig.axes) == 2
+    plt.close(fig)
+
+
 def test_same_init_and_data_order(demo, corpus):
     """The first training loss of each run is the loss of the seed's initial weights on the seed's first batch,
     computed here independently; FP8 changes it only by its rounding."""
@@ -175,7 +212,7 @@ def test_batches_are_shifted_windows_fixed_by_step(corpus):
     assert decode(encode("h\u00e9llo")) == "h?llo"
 
 
-def test_progress_bar_prints_deciles_off_a_terminal():
+def test_progress_off_a_terminal_prints_plain_quarter_lines():
     import io
 
     from fp8kit.demo.progress import Progress
@@ -186,7 +223,44 @@ def test_progress_bar_prints_deciles_off_a_terminal():
         bar.update(i, f"loss {i}")
     bar.close()
     lines = stream.getvalue().splitlines()
-    assert len(lines) == 11 and lines[-1].startswith("delayed  [########################] 20/20  loss 20")
+    assert [line.split()[1] for line in lines] == ["5/20", "10/20", "15/20", "20/20"]
+    assert lines[-1].startswith("delayed  20/20 (100%)  loss 20  0:0") and lines[-1].endswith(" elapsed")
+    assert not any("#" in line or "left" in line or "\r" in line for line in lines)  # no bar, no estimate
     quiet = io.StringIO()
     Progress(5, "x", stream=quiet, enabled=False).update(5)
     assert quiet.getvalue() == ""
+
+
+def test_progress_off_a_terminal_prints_once_a_minute_on_long_runs(monkeypatch):
+    import io
+
+    from fp8kit.demo import progress
+
+    clock = iter([0.0, 30.0, 61.0, 62.0, 130.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    stream = io.StringIO()
+    bar = progress.Progress(1000, "bf16", stream=stream)
+    for done in (1, 2, 3, 4):  # at 30 s, 61 s, 62 s, 130 s: none is a quarter
+        bar.update(done)
+    assert [line.split()[1] for line in stream.getvalue().splitlines()] == ["2/1000", "4/1000"]
+    assert stream.getvalue().splitlines()[-1].endswith("2:10 elapsed")
+
+
+def test_progress_on_a_terminal_redraws_one_line(monkeypatch):
+    import io
+
+    from fp8kit.demo import progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    clock = iter([0.0, 10.0, 20.0])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    stream = Terminal()
+    bar = progress.Progress(4, "current", stream=stream, width=4)
+    bar.update(1, "loss 3.000")
+    bar.update(4, "loss 2.000")
+    bar.close()
+    assert stream.getvalue() == ("\rcurrent  [#...] 1/4  loss 3.000  0:10, ~0:30 left\x1b[K"
+                                 "\rcurrent  [####] 4/4  loss 2.000  0:20\x1b[K\n")
