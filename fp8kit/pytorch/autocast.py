@@ -129,7 +129,10 @@ class _ThreadStack(threading.local):
     """The autocast stack of this thread (a tuple of Frames). A thread-local rather than a ContextVar, because
     torch.compile traces thread-local attributes but not ContextVar.reset."""
 
-    frames: Tuple[Frame, ...] = ()
+    def __init__(self):
+        # set per thread (threading.local runs __init__ in each), never a class default: torch.compile guards on
+        # the instance's __dict__, which must look the same before and after a compiled call
+        self.frames: Tuple[Frame, ...] = ()
 
 
 _STACK = _ThreadStack()

@@ -87,6 +87,10 @@ def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: t
     """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element or a float
     holding a float32 value. `saturate=False` skips the clamp, for callers that know no product exceeds fp8_max."""
     fp8_max = FP8_MAX[fp8_dtype]
+    if torch.compiler.is_compiling():
+        # a literal: under dynamic shapes dynamo may trace a float read from a dict as a symbolic float, which
+        # autograd.Function bodies cannot take in (torch 2.13)
+        fp8_max = float(torch.finfo(fp8_dtype).max)
     if not host.active(x.device) and x.dtype in (torch.bfloat16, torch.float16) and isinstance(scale, torch.Tensor):
         # Accelerators: one multiply kernel reads x and writes the float32 product (a one-element 1-d scale takes
         # part in type promotion, a 0-d one would not), instead of a float32 copy of x multiplied in place.

@@ -86,6 +86,9 @@ def key_entry(recipe: DelayedScaling, group) -> KeyStates:
 def register(recipe: DelayedScaling, group, forward: ScalingState, backward: ScalingState) -> None:
     """Register a module's states under `(recipe, group)` (moving them from another key if needed)."""
     key = (recipe, group)
+    if forward.key == key and backward.key == key:
+        # registered already: no registry lookup, so torch.compile guards on the states, not on the registry
+        return
     found = key_entry(recipe, group)
     for state, which in ((forward, "forward"), (backward, "backward")):
         if state.key != key:
@@ -103,15 +106,9 @@ def registry_states(recipe: Recipe, group=None) -> Tuple[List[ScalingState], Lis
     return found.live("forward", key), found.live("backward", key)
 
 
-_DIST = []  # torch.distributed once imported (it is not imported with torch on every build)
-
-
 def dist_initialized() -> bool:
-    if not _DIST:
-        import torch.distributed as dist
+    import torch.distributed as dist  # a sys.modules lookup after the first call; no module state to guard on
 
-        _DIST.append(dist)
-    dist = _DIST[0]
     return dist.is_available() and dist.is_initialized()
 
 

@@ -18,7 +18,7 @@ with `activation_params` `limit` (7.0), `alpha` (1.702), `glu_linear_offset` (1.
 As in Transformer Engine's kernels, the function is computed in float32 for bfloat16 / float16 inputs (in the input's
 dtype otherwise) and rounded once to the input's dtype. `activation` uses plain torch operations (autograd saves what
 they save); `activation_saving_input` gives the same numbers, forward and backward, but saves only its input and
-recomputes the function in the backward pass (once differentiable).
+recomputes the function in the backward pass (once differentiable; plain operations under torch.compile).
 """
 
 from __future__ import annotations
@@ -108,7 +108,9 @@ def activation_saving_input(name: str, x: torch.Tensor, params: Optional[dict] =
     """`activation(name, x)`, bit for bit, forward and backward, saving only `x` for the backward pass (which
     recomputes the function): Transformer Engine's memory footprint for the activation."""
     params = check_activation("activation", name, params)
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    # under torch.compile: plain operations (dynamo cannot trace the backward's autograd.grad; the compiled graph
+    # decides itself what to save or recompute)
+    if not (torch.is_grad_enabled() and x.requires_grad) or torch.compiler.is_compiling():
         return _compute(name, x, params)
     return _SavingInput.apply(x, name, params)
 
