@@ -39,6 +39,11 @@ FRAGMENTS = {
         "a training step that needs `key`, `x`, `loss_fn` and an optax `optimizer`",
     ("docs/jax.md", "grad_fn = jax.jit(te.deferred_update()(jax.grad(loss_fn)))"):
         "needs `loss_fn`, `variables` and `microbatches`",
+    ("docs/jax.md", "mesh = Mesh(np.array(jax.devices()).reshape(1, 2, 2)"):
+        "needs 4 JAX devices and a `model`, `x` (tests/test_jax_mesh_transformer.py runs it)",
+    ("docs/pytorch.md", "with te.quantized_model_init(enabled=True"): "needs the reader's `build_model()`",
+    ("docs/pytorch.md", "with te.quantized_model_init(recipe=recipe"):
+        "needs torch.distributed with a device mesh, `build_model()`, `rank`, `world_size` (tests/test_fsdp_fp8.py)",
 }
 # Shell commands cheap enough to run here (seconds).
 RUN = {"fp8kit bench --quick"}
