@@ -19,6 +19,15 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _DTYPE_OF_NAME = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+def fp8_max_of(fp8_dtype: torch.dtype) -> float:
+    """The largest finite value of an FP8 dtype. While torch.compile traces: a literal (torch.finfo folds to one),
+    since with dynamic=True dynamo makes floats read from module globals symbolic, and autograd.Function bodies
+    cannot take symbolic floats from outside (torch 2.13)."""
+    if torch.compiler.is_compiling():
+        return float(torch.finfo(fp8_dtype).max)
+    return FP8_MAX[fp8_dtype]
+
+
 def fp8_dtype_of(name: str) -> torch.dtype:
     """The torch dtype for a recipe format name ("e4m3" or "e5m2")."""
     return _DTYPE_OF_NAME[name]
@@ -57,7 +66,10 @@ def scale_from_amax(
     elementwise on any shape."""
     numerator = torch.full_like(amax_value, scaled_max)
     scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)
-    scale = scale.clamp_(SCALE_MIN, FLT_MAX)  # NaN stays NaN and is masked below
+    if torch.compiler.is_compiling():  # literals, not module globals (see fp8_max_of)
+        scale = scale.clamp_(2.0 ** -63, float(torch.finfo(torch.float32).max))
+    else:
+        scale = scale.clamp_(SCALE_MIN, FLT_MAX)  # NaN stays NaN and is masked below
     if power_2:
         scale = round_down_pow2(scale)
     ok = torch.isfinite(amax_value) & (amax_value > 0)
@@ -86,11 +98,7 @@ def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: t
                 saturate: bool = True) -> torch.Tensor:
     """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element or a float
     holding a float32 value. `saturate=False` skips the clamp, for callers that know no product exceeds fp8_max."""
-    fp8_max = FP8_MAX[fp8_dtype]
-    if torch.compiler.is_compiling():
-        # a literal: under dynamic shapes dynamo may trace a float read from a dict as a symbolic float, which
-        # autograd.Function bodies cannot take in (torch 2.13)
-        fp8_max = float(torch.finfo(fp8_dtype).max)
+    fp8_max = fp8_max_of(fp8_dtype)
     if not host.active(x.device) and x.dtype in (torch.bfloat16, torch.float16) and isinstance(scale, torch.Tensor):
         # Accelerators: one multiply kernel reads x and writes the float32 product (a one-element 1-d scale takes
         # part in type promotion, a 0-d one would not), instead of a float32 copy of x multiplied in place.
@@ -176,7 +184,7 @@ def quantize(
             a = host.amax(x)
             return wrap(cast_host(x, host.current_scale(a, FP8_MAX[fp8_dtype], eps, bool(power_2_scale)),
                                   fp8_dtype, a))
-        s = current_scale(x, FP8_MAX[fp8_dtype], eps, bool(power_2_scale))
+        s = current_scale(x, fp8_max_of(fp8_dtype), eps, bool(power_2_scale))
     else:
         s = _checked_scale(scale, x.device)
         if fast:

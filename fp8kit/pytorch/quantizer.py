@@ -14,7 +14,7 @@ from typing import Tuple
 import torch
 
 from . import host, kernels
-from .cast import FP8_MAX, amax, cast, cast_host, current_scale
+from .cast import FP8_MAX, amax, cast, cast_host, current_scale, fp8_max_of
 from .state import ScalingState
 from .tensor.storage import Float8TensorStorage
 
@@ -116,7 +116,7 @@ class CurrentQuantizer:
             if self.stats is not None:
                 self.stats.record(x, q, scale)
             return q
-        scale = current_scale(x, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2, self.group)
+        scale = current_scale(x, fp8_max_of(self.fp8_dtype), self.amax_epsilon, self.power_2, self.group)
         q = cast(x, scale, self.fp8_dtype)
         if self.stats is not None:
             self.stats.record(x, q, scale)

@@ -402,7 +402,7 @@ class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
             a = host.amax(x)
             return casts.cast_host(
                 x, host.current_scale(a, casts.FP8_MAX[fp8], self.amax_epsilon, self.force_pow_2_scales), fp8, a)
-        s = casts.current_scale(x, casts.FP8_MAX[fp8], self.amax_epsilon, self.force_pow_2_scales, group)
+        s = casts.current_scale(x, casts.fp8_max_of(fp8), self.amax_epsilon, self.force_pow_2_scales, group)
         return casts.cast(x, s, fp8)
 
     def __getstate__(self):
