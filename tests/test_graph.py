@@ -8,9 +8,13 @@ import inspect
 import pytest
 import torch
 import torch._dynamo
+from accelerator_audit import SYNC_OPS
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.pytorch as te
 import fp8kit.pytorch.graph as graph
+from fp8kit.pytorch import gemm as gemm_module
+from fp8kit.pytorch import host
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
 
 # Transformer Engine's parameters, in order (transformer_engine/pytorch/graph.py, TE main 2.20.0.dev0)
@@ -162,3 +166,65 @@ def test_cuda_graphs_replay_eager_numbers(recipe_name):
         eager.zero_grad()
         graphed.zero_grad()
         assert all(torch.equal(a, b) for a, b in zip(_states(eager), _states(graphed))), f"step {i}: states"
+
+
+def _gemm_without_host_reads(a, b, out_dtype, bias):
+    out = (a.values(torch.float32) @ b.values(torch.float32)) * (a.scale_inv * b.scale_inv)
+    return (out + bias.float() if bias is not None else out).to(out_dtype)
+
+
+class _Recorder(TorchDispatchMode):
+    """Fails on operations that would make the host wait for a device, and keeps, for each watched tensor (by
+    storage), its value after the last operation that wrote it (in-place and out= arguments, by the op's schema)."""
+
+    def __init__(self, watched):
+        super().__init__()
+        self.watched = {t.untyped_storage().data_ptr(): t for t in watched}
+        self.after_last_write = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in SYNC_OPS:
+            raise AssertionError(f"host synchronisation: {func}")
+        out = func(*args, **kwargs)
+        for i, arg in enumerate(func._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = kwargs.get(arg.name, args[i] if i < len(args) else None)
+                for t in value if isinstance(value, (list, tuple)) else (value,):
+                    ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+                    if ptr in self.watched:
+                        self.after_last_write[ptr] = self.watched[ptr].clone()
+        return out
+
+
+@pytest.mark.parametrize("recipe_name", ["delayed", "current"])
+def test_a_step_changes_the_state_only_through_tensor_operations(recipe_name, monkeypatch):
+    """What a replayed graph relies on: on the tensor path (the path of accelerators and of compiled code) a whole
+    step (forward, backward, the updates at autocast exit and after the backward) issues no host synchronisation,
+    keeps every state tensor object it started with, and every state tensor it changes is written by a recorded
+    tensor operation, so nothing of the update happens in Python where a replay would skip it."""
+    # the CPU GEMM reads its alpha on the host (CPU tensors only; accelerators run torch._scaled_mm, audited on meta
+    # tensors in tests/test_cuda_path.py): here a GEMM that keeps the scales in tensors
+    monkeypatch.setattr(gemm_module, "emulated", _gemm_without_host_reads)
+    recipe = _recipe(recipe_name)
+    model = _model()
+    with host.tensor_path():
+        _step(model, torch.randn(8, 32), recipe)  # first-call setup (state creation, registration) unrecorded
+        states = [m.fp8_meta[n] for m in model.modules() if hasattr(m, "fp8_meta")
+                  for n in ("scaling_fwd", "scaling_bwd") if m.fp8_meta[n] is not None]
+        tensors = [(s._buffer, s._scale, s._count) for s in states]
+        before = [[t.clone() for t in ts] for ts in tensors]
+        recorder = _Recorder([t for ts in tensors for t in ts])
+        with recorder:
+            _step(model, torch.randn(8, 32) * 100.0, recipe)  # another magnitude: the scales move
+    assert all(a is b for ts, s in zip(tensors, states) for a, b in zip(ts, (s._buffer, s._scale, s._count))), \
+        "the step replaced state tensors (a replayed graph would keep writing the old ones)"
+    changed = [t for ts, olds in zip(tensors, before) for t, old in zip(ts, olds) if not torch.equal(t, old)]
+    if recipe_name == "delayed":
+        assert changed, "the step updated no delayed-scaling state"
+    else:
+        assert not changed
+    for t in changed:  # its final value is what the last tensor operation writing it left
+        last = recorder.after_last_write.get(t.untyped_storage().data_ptr())
+        assert last is not None and torch.equal(t, last), f"a state tensor {tuple(t.shape)} changed outside any " \
+                                                          "tensor operation"
