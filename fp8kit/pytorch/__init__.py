@@ -5,7 +5,6 @@ import torch
 
 from . import attention, distributed, optimizers
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
-from .distributed import apply_pending_updates
 from .autocast import autocast, fp8_autocast
 from .availability import (
     get_default_recipe,
@@ -20,6 +19,7 @@ from .cast import quantize
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
+from .distributed import apply_pending_updates
 from .fp8_weights import fp8_model_init, quantized_model_init
 from .graph import make_graphed_callables
 from .modules import (
@@ -51,7 +51,8 @@ torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
            "Float8Tensor", "convert_model", "distributed", "optimizers",
-           "checkpoint", "CudaRNGStatesTracker", "make_graphed_callables", "apply_pending_updates", "DType", "constants", "Float8TensorStorage", "Float8Quantizer",
+           "checkpoint", "CudaRNGStatesTracker", "make_graphed_callables", "apply_pending_updates", "DType",
+           "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",
            "fp8_model_init",

@@ -23,7 +23,7 @@ the host); compile the model and keep the reducing autocast outside it.
 
 from __future__ import annotations
 
-from typing import List, Optional, Tuple
+from typing import List, Tuple
 
 import torch
 

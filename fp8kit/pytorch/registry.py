@@ -12,8 +12,8 @@ from typing import Deque, Dict, List, Optional, Tuple
 from ..recipe import DelayedScaling, Recipe
 from .state import ScalingState, update_states
 
-__all__ = ["KeyStates", "StepNote", "all_keys", "entry", "key_entry", "register", "registry_states", "reduces", "reduce_group",
-           "dist_initialized", "update_key"]
+__all__ = ["KeyStates", "StepNote", "all_keys", "entry", "key_entry", "register", "registry_states", "reduces",
+           "reduce_group", "dist_initialized", "update_key"]
 
 
 @dataclass
