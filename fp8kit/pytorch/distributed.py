@@ -60,7 +60,11 @@ _LABELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def label_states(label: str, *states) -> None:
-    """Name the module that owns `states` in registration-mismatch messages (modules call this; cheap)."""
+    """Name the module that owns `states` in registration-mismatch messages (modules call this; cheap). Not while
+    torch.compile traces: amax reduction, whose messages use the names, is refused there, and guards on this weak
+    dictionary would fail as other modules' states are collected."""
+    if torch.compiler.is_compiling():
+        return
     for state in states:
         if _LABELS.get(state) != label:
             _LABELS[state] = label
