@@ -44,7 +44,6 @@ from dist_common import (  # noqa: E402
     state_np,
 )
 from dist_workers_attn import check_tp_attention, check_tp_transformer_layer  # noqa: E402, F401
-from dist_workers_mlp import check_tp_layernorm_linear, check_tp_layernorm_mlp  # noqa: E402, F401
 from dist_workers_fsdp8 import (  # noqa: E402, F401
     check_fsdp8_current,
     check_fsdp8_delayed,
@@ -52,6 +51,7 @@ from dist_workers_fsdp8 import (  # noqa: E402, F401
     check_fsdp8_state_dict,
     check_fsdp8_state_dict_current,
 )
+from dist_workers_mlp import check_tp_layernorm_linear, check_tp_layernorm_mlp  # noqa: E402, F401
 from dist_workers_rules import (  # noqa: E402, F401
     check_rule_caught_exception,
     check_rule_different_groups,
