@@ -45,3 +45,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+# ---- multi-process checks (tests/dist_launch.py) ------------------------------------------------------------------
+
+def _selected_checks(session, fixture):
+    """The `check` parameters of the selected tests that use `fixture`, in collection order, the rule violations
+    (tests/dist_workers_rules.py: errors on purpose) last."""
+    checks = []
+    for item in session.items:
+        check = item.callspec.params.get("check") if hasattr(item, "callspec") else None
+        if check and fixture in item.fixturenames and check not in checks:
+            checks.append(check)
+    return sorted(checks, key=lambda c: c.startswith("rule_"))
+
+
+@pytest.fixture(scope="session")
+def two_rank_run(request):
+    """Every selected 2-rank check of the session, on one set of 2 local gloo processes (see dist_launch.py)."""
+    from dist_launch import launch_checks
+
+    return launch_checks(2, _selected_checks(request.session, "two_rank_run"))
+
+
+@pytest.fixture(scope="session")
+def four_rank_run(request):
+    from dist_launch import launch_checks
+
+    return launch_checks(4, _selected_checks(request.session, "four_rank_run"))
