@@ -3,7 +3,11 @@
 `launch(world_size, checks)` starts `world_size` copies of dist_workers.py (torchrun-like environment variables, a
 free port on 127.0.0.1), each running the named checks in order, and returns every rank's results. A worker stops at
 its first unexpected failure (later collectives could be misaligned); the launcher kills all workers at a hard
-timeout.
+timeout. `launch_checks` starts the processes again for the checks after a failure.
+
+The test files do not launch themselves: they use the session fixtures `two_rank_run` and `four_rank_run` of
+tests/conftest.py, which start the processes once for every selected check of that world size in the session
+(starting them costs seconds on a small machine; the checks themselves take fractions of one).
 """
 
 from __future__ import annotations
@@ -68,8 +72,26 @@ def launch(world_size: int, checks, timeout: float = 90.0) -> dict:
             "returncodes": [p.returncode for p in procs]}
 
 
+def launch_checks(world_size: int, checks, timeout_per_check: float = 15.0) -> dict:
+    """`launch` once for all `checks` when they pass. A failure stops the workers, so the checks after it are launched
+    again in new processes: every check still gets its own result. Returns {"by_check": {check: the run it ran in}},
+    which `check_result` accepts like a run."""
+    by_check, remaining = {}, list(checks)
+    while remaining:
+        run = launch(world_size, remaining, timeout=60.0 + timeout_per_check * len(remaining))
+        got = [c for c in remaining if any(c in ranks for ranks in run["ranks"])]  # a prefix: results come in order
+        if not got:  # nothing ran at all (the start failed, or the first check hung or crashed): no retry
+            got = remaining
+        for c in got:
+            by_check[c] = run
+        remaining = remaining[len(got):]
+    return {"by_check": by_check}
+
+
 def check_result(run: dict, check: str) -> None:
     """Assert that every rank ran `check` successfully, with the workers' output in the message if not."""
+    if "by_check" in run:
+        run = run["by_check"][check]
     problems = []
     for rank, results in enumerate(run["ranks"]):
         res = results.get(check)

@@ -6,20 +6,15 @@ import torch
 
 import fp8kit.pytorch as te
 
-from dist_launch import check_result, launch
+from dist_launch import check_result
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 CHECKS = ["tp_attention", "tp_transformer_layer"]
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return launch(2, CHECKS, timeout=120)
-
-
 @pytest.mark.parametrize("check", CHECKS)
-def test_tensor_parallel_attention_matches_one_process(two_ranks, check):
+def test_tensor_parallel_attention_matches_one_process(two_rank_run, check):
     if check == "tp_transformer_layer" and not hasattr(te, "LayerNormMLP"):
         pytest.skip("TransformerLayer needs te.LayerNormMLP")
-    check_result(two_ranks, check)
+    check_result(two_rank_run, check)

@@ -2,8 +2,9 @@
 registration mismatches, tensor-parallel Linear, DDP and FSDP2, on local gloo processes (CPU).
 
 The checks themselves live in tests/dist_workers.py, tests/dist_workers_tp.py and tests/dist_workers_mlp.py (each
-says what it compares against), started by tests/dist_launch.py. The processes start once per world size for this
-file and run every check in turn; each launch has a hard timeout, so nothing can hang.
+says what it compares against), started by tests/dist_launch.py. The processes start once per world size for the
+session (tests/conftest.py: with the 2-rank checks of the other files) and run every check in turn; each launch has a
+hard timeout, so nothing can hang.
 """
 
 import os
@@ -17,7 +18,7 @@ import torch
 import fp8kit.pytorch as te
 from fp8kit.pytorch.amax_reduction import mismatch_message
 
-from dist_launch import check_result, launch
+from dist_launch import check_result
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
@@ -29,35 +30,20 @@ RULES = ["rule_caught_exception", "rule_no_grad_step", "rule_different_groups", 
 FOUR_RANKS = ["tp_dp_4_ranks", "moe_skip", "amax_reduction"]
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return launch(2, TWO_RANKS, timeout=120)
-
-
-@pytest.fixture(scope="module")
-def four_ranks():
-    return launch(4, FOUR_RANKS, timeout=90)
-
-
 @pytest.mark.parametrize("check", TWO_RANKS)
-def test_two_ranks(two_ranks, check):
-    check_result(two_ranks, check)
-
-
-@pytest.fixture(scope="module")
-def rule_breakers():
-    return launch(2, RULES, timeout=90)
+def test_two_ranks(two_rank_run, check):
+    check_result(two_rank_run, check)
 
 
 @pytest.mark.parametrize("check", RULES)
-def test_rule_violations_end_in_errors_on_every_rank(rule_breakers, check):
+def test_rule_violations_end_in_errors_on_every_rank(two_rank_run, check):
     """Each violation raises an fp8kit DistributedRuleError on every rank within seconds, never a hang."""
-    check_result(rule_breakers, check)
+    check_result(two_rank_run, check)
 
 
 @pytest.mark.parametrize("check", FOUR_RANKS)
-def test_four_ranks(four_ranks, check):
-    check_result(four_ranks, check)
+def test_four_ranks(four_rank_run, check):
+    check_result(four_rank_run, check)
 
 
 def test_example_runs_under_torchrun(tmp_path):

@@ -2,26 +2,21 @@
 bytes (about half of bf16's), every rank gathers the same weight and scale, training matches the bf16-weight run
 within FP8 noise, checkpoints (torch.save and torch.distributed.checkpoint) resume exactly, and shards quantized with
 different scales are put on one. The checks live in tests/dist_workers_fsdp8.py (each says what it compares
-against); the processes start once for this file."""
+against); the processes start once for the session (tests/conftest.py)."""
 
 import pytest
 import torch
 
-from dist_launch import check_result, launch
+from dist_launch import check_result
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 CHECKS = ["fsdp8_current", "fsdp8_delayed", "fsdp8_state_dict", "fsdp8_state_dict_current", "fsdp8_different_init"]
 
 
-@pytest.fixture(scope="module")
-def two_ranks():
-    return launch(2, CHECKS, timeout=120)
-
-
 @pytest.mark.parametrize("check", CHECKS)
-def test_fsdp2_fp8_weights(two_ranks, check):
-    check_result(two_ranks, check)
+def test_fsdp2_fp8_weights(two_rank_run, check):
+    check_result(two_rank_run, check)
 
 
 # ---- without processes: the tensor operations FSDP2 applies to a Float8Tensor parameter ---------------------------

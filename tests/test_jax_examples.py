@@ -19,7 +19,8 @@ def test_jax_examples_run():
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([ROOT, env.get("PYTHONPATH", "")])
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)  # the distributed example sets its own device count
+    # the distributed example sets its own device count; other flags (tests/conftest.py) stay
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split() if "device_count" not in f)
     procs = {
         name: subprocess.Popen([sys.executable, os.path.join(ROOT, "examples", name)], env=env, cwd=ROOT,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -131,7 +131,8 @@ def run_on_four_cpu_devices(script: str, tmp_path, timeout: int = 240) -> subpro
     path = tmp_path / "script.py"
     path.write_text(script)
     env = dict(os.environ)
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if "xla_force_host_platform_device_count" not in f]
+    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), env.get("PYTHONPATH", "")])
     return subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=timeout)
