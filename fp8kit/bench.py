@@ -169,6 +169,20 @@ def _iterations(fn, timer: Timer, target_ms: float) -> int:
     return max(1, min(1000, int(target_ms / max(once, 1e-3))))
 
 
+def interleaved(steps: Dict[str, Callable[[], None]], timer: Timer, rounds: int,
+                target_ms: float) -> Tuple[Dict[str, List[float]], Dict[str, int]]:
+    """Time every step in `rounds` interleaved rounds (the order rotates every round), each sample a batch of
+    about `target_ms` of iterations. Returns (ms per iteration of every sample, iterations per sample) by name."""
+    names = list(steps)
+    iters = {n: _iterations(steps[n], timer, target_ms) for n in names}
+    samples: Dict[str, List[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for n in order:
+            samples[n].append(timer(steps[n], iters[n]))
+    return samples, iters
+
+
 def bench_linear(shapes, device: torch.device, rounds: int, target_ms: float) -> Tuple[List[dict], Dict[str, str]]:
     timer = Timer(device)
     skipped: Dict[str, str] = {}
@@ -176,12 +190,7 @@ def bench_linear(shapes, device: torch.device, rounds: int, target_ms: float) ->
     for shape in shapes:
         steps = _build(shape, device, skipped)
         names = list(steps)
-        iters = {n: _iterations(steps[n], timer, target_ms) for n in names}
-        samples: Dict[str, List[float]] = {n: [] for n in names}
-        for r in range(rounds):
-            order = names[r % len(names):] + names[:r % len(names)]
-            for n in order:
-                samples[n].append(timer(steps[n], iters[n]))
+        samples, iters = interleaved(steps, timer, rounds, target_ms)
         medians = {n: statistics.median(s) for n, s in samples.items()}
         flops = 6.0 * shape[0] * shape[1] * shape[2]
         for n in names:
@@ -283,6 +292,7 @@ def run_bench(device: str = "auto", quick: bool = False, rounds: Optional[int] =
         "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{torch.get_num_threads()} threads",
         "rounds": rounds,
         "quick": quick,
+        "compile": False,
         "linear": linear,
         "skipped": skipped,
         "stats_cost": stats_cost(linear),
@@ -307,7 +317,8 @@ def _shape(text: str) -> Tuple[int, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="two small shapes, few rounds (seconds; for tests)")
+    parser.add_argument("--quick", action="store_true", help="two small shapes, few rounds (seconds; for tests); "
+                        "with --compile one shape and a one-layer GPT (compiling takes most of its time)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     parser.add_argument("--rounds", type=_positive_int, help="interleaved rounds per shape (default 9, --quick 3)")
@@ -315,13 +326,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a shape to time instead of the defaults (repeatable)")
     parser.add_argument("--memory", action="store_true", help="instead of timing: parameter and training-step memory "
                         "of a small GPT with FP8 weights against bf16 weights (fp8kit/bench_memory.py)")
+    parser.add_argument("--compile", action="store_true", help="instead: eager and torch.compile'd steps side by "
+                        "side, FP8 against bf16 (Linear shapes and the demo GPT's training step; compile times "
+                        "reported apart; fp8kit/bench_compile.py)")
+    parser.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
+                        help="torch.compile backend for --compile (default: inductor)")
     parser.set_defaults(run=_run, subparser=parser)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from fp8kit.cli import device_argument
 
-    if args.memory:
+    if args.memory and args.compile:
+        parser.error("argument --compile: not allowed with argument --memory")
+    if args.compile:
+        from fp8kit.bench_compile import format_compile_report, run_compile_bench
+
+        report = run_compile_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes,
+                                   args.compile_backend)
+        print(format_compile_report(report))
+    elif args.memory:
         from fp8kit.bench_memory import format_memory_report, run_memory_bench
 
         report = run_memory_bench(device_argument(parser, args.device), args.quick)

@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="plain: a GPT written with fp8kit Linear layers (default); te: the same GPT built from "
                            "te.TransformerLayer blocks (Transformer Engine's module)")
     demo.add_argument("--no-stats", action="store_true", help="do not record FP8 numerics statistics")
+    demo.add_argument("--compile", action="store_true",
+                      help="train with torch.compile: each step's forward and loss (both autocasts inside) as one "
+                           "fullgraph graph, the backward by AOT autograd, the optimizer eager; no FP8 statistics")
+    demo.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
+                      help="torch.compile backend for --compile (default: inductor; aot_eager: bit-identical to "
+                           "the eager run)")
     demo.add_argument("--no-progress", action="store_true", help="no progress display on stderr")
     demo.set_defaults(run=_run_demo, subparser=demo)
 
@@ -138,7 +144,8 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("FP8 GEMMs on CUDA need --n-embd a multiple of 16 and batch-size x block-size a multiple of 8")
     cfg = TrainConfig(model=model, steps=preset["steps"], batch_size=preset["batch_size"], lr=preset["lr"],
                       eval_interval=min(args.eval_interval, preset["steps"]), seed=args.seed, device=device,
-                      stats=not args.no_stats, arch=args.model)
+                      stats=not args.no_stats, arch=args.model, compile=args.compile,
+                      compile_backend=args.compile_backend)
     try:
         corpus = load_corpus(max_chars=args.max_chars, path=args.corpus)
     except (OSError, ValueError) as e:

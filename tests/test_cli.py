@@ -25,10 +25,10 @@ def test_help(argv, capsys):
     assert out.startswith("usage: fp8kit")
     if argv[0] == "demo":
         for option in ("--steps", "--recipes", "--device", "--out", "--seed", "--size", "--n-layer", "--n-embd",
-                       "--n-head", "--block-size", "--batch-size"):
+                       "--n-head", "--block-size", "--batch-size", "--compile", "--compile-backend"):
             assert option in out
     if argv[0] == "bench":
-        assert "--quick" in out and "--json" in out
+        assert "--quick" in out and "--json" in out and "--compile" in out and "--compile-backend" in out
 
 
 BAD = [
@@ -46,6 +46,9 @@ BAD = [
     (["demo", "--unknown"], "fp8kit: error: unrecognized arguments: --unknown"),
     (["bench", "--shape", "1x2"], "fp8kit bench: error: argument --shape: expected MxKxN"),
     (["bench", "--rounds", "0"], "fp8kit bench: error: argument --rounds: expected a positive integer"),
+    (["bench", "--compile", "--memory"], "fp8kit bench: error: argument --compile: not allowed with argument --memory"),
+    (["bench", "--compile-backend", "tvm"], "fp8kit bench: error: argument --compile-backend: invalid choice: 'tvm'"),
+    (["demo", "--compile-backend", "tvm"], "fp8kit demo: error: argument --compile-backend: invalid choice: 'tvm'"),
 ]
 
 

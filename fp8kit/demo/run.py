@@ -75,6 +75,10 @@ def run_demo(cfg: TrainConfig, recipes: List[str], out: str, corpus: Optional[Co
         f"block {cfg.model.block_size}, batch {cfg.batch_size} ({n_params / 1e6:.2f}M parameters), "
         f"{cfg.steps} steps on {cfg.device}")
     say(f"corpus: {corpus.describe()}")
+    if cfg.compile:
+        say(f"torch.compile (backend {cfg.compile_backend}): forward + loss as one fullgraph graph per run, backward "
+            f"by AOT autograd, optimizer eager; the compiling steps are left out of tokens/s"
+            + ("; FP8 statistics off (they count casts in Python)" if cfg.stats else ""))
     results = {
         "fp8kit_version": fp8kit.__version__,
         "torch_version": torch.__version__,
@@ -95,8 +99,9 @@ def run_demo(cfg: TrainConfig, recipes: List[str], out: str, corpus: Optional[Co
             run = train_one(name, corpus, cfg, progress=progress)
             results["runs"].append(run)
             _write_json(json_path, results)
+            compiled = f" (compiling {run['compile_s']:.1f} s)" if "compile_s" in run else ""
             say(f"{name}: train loss {run['final_train_loss']:.4f}, val loss {run['final_val_loss']:.4f}, "
-                f"{run['tokens_per_s']:,.0f} tokens/s, {run['wall_s']:.1f} s")
+                f"{run['tokens_per_s']:,.0f} tokens/s, {run['wall_s']:.1f} s{compiled}")
             if run["stats"]:
                 csv_path = os.path.join(out, f"stats_{name}.csv")
                 stats_to_csv(run["stats"], csv_path)

@@ -6,12 +6,22 @@ add `fp8kit.pytorch.autocast(recipe=...)`, which makes every fp8kit Linear cast 
 three GEMMs. Embeddings, LayerNorms, attention (softmax included) and the output head are the same in all runs.
 
 Every run starts from the same seed, hence the same initial weights, and sees the same batches in the same order.
+
+With `TrainConfig.compile` the forward and loss of a training step run as one `torch.compile(fullgraph=True)` graph
+(`forward_loss`): both autocasts are entered inside the compiled function, so fp8kit's delayed-scaling updates are
+part of the graph. Its backward is compiled by AOT autograd; gradient clipping, the optimizer step and the
+evaluations stay eager. A run starts from fresh torch.compile caches (`torch._dynamo.reset()`), so it compiles on
+its first step (bf16, current scaling) or first two (delayed scaling: the first call registers the FP8 states);
+those steps are timed apart (`compile_s`) and left out of `tokens_per_s`. After each compiled step the backward
+amaxes it recorded are applied (`te.apply_pending_updates()`), so the FP8 states are those of the eager run at every
+step. FP8 statistics are off: they count casts in Python, which a compiled graph cannot.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List
@@ -50,6 +60,8 @@ class TrainConfig:
     seed: int = 0
     device: str = "cpu"
     stats: bool = True
+    compile: bool = False  # forward + loss under torch.compile(fullgraph=True); see the module docstring
+    compile_backend: str = "inductor"
     arch: str = "plain"  # the model: "plain" (fp8kit Linears) or "te" (te.TransformerLayer blocks), see te_model.py
 
     def as_dict(self) -> dict:
@@ -65,6 +77,18 @@ def precision(device_type: str, recipe) -> contextlib.ExitStack:
     if recipe is not None:
         stack.enter_context(te.autocast(enabled=True, recipe=recipe))
     return stack
+
+
+def forward_loss(model: torch.nn.Module, device_type: str, recipe):
+    """`fn(x, y) -> loss`: the model's forward and loss in the run's precision (bf16 autocast, plus fp8kit's
+    autocast with `recipe` unless it is None); both contexts are inside `fn`, so it compiles as one graph."""
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            if recipe is None:
+                return model(x, y)[1]
+            with te.autocast(enabled=True, recipe=recipe):
+                return model(x, y)[1]
+    return fn
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:
@@ -130,7 +154,13 @@ def train_one(name: str, corpus: Corpus, cfg: TrainConfig, progress: bool = True
     # Fixed evaluation sets, disjoint in seed from the training order.
     eval_train = Batches(corpus.train, cfg.batch_size, cfg.model.block_size, cfg.seed + 7_777)
     eval_val = Batches(corpus.val, cfg.batch_size, cfg.model.block_size, cfg.seed + 7_777)
-    stats_on = cfg.stats and recipe is not None
+    stats_on = cfg.stats and recipe is not None and not cfg.compile
+    step_loss = forward_loss(model, device.type, recipe)
+    if cfg.compile:
+        torch._dynamo.reset()  # this run's own compiles (and none of an earlier run's cache entries)
+        step_loss = torch.compile(step_loss, fullgraph=True, backend=cfg.compile_backend, dynamic=False)
+    compile_steps = min(2 if cfg.compile else 0, cfg.steps - 1)  # timed apart: they compile
+    step_times: List[float] = []
     if stats_on:
         te.enable_stats(model)
     tracked = getattr(model, "tracked_layer", TRACKED_LAYER)
@@ -145,14 +175,17 @@ def train_one(name: str, corpus: Corpus, cfg: TrainConfig, progress: bool = True
             t0 = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = learning_rate(step, cfg)
-            with precision(device.type, recipe):
-                _, loss = model(x, y)
+            loss = step_loss(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            if cfg.compile and recipe is not None:
+                te.apply_pending_updates()  # the backward amaxes of the compiled step, as eager applies them
             loss_value = loss.item()  # synchronizes, so the timing below is complete on CUDA too
-            train_time += time.perf_counter() - t0
+            step_times.append(time.perf_counter() - t0)
+            if step >= compile_steps:
+                train_time += step_times[-1]
             if not math.isfinite(loss_value):
                 raise FloatingPointError(f"{name}: the training loss became {loss_value} at step {step}")
             curves["step"].append(step)
@@ -165,8 +198,9 @@ def train_one(name: str, corpus: Corpus, cfg: TrainConfig, progress: bool = True
                 curves["val_loss"].append(evaluate(model, eval_val, cfg.eval_batches, device, recipe))
                 if stats_on:
                     te.reset_stats(model)  # report the training steps after the last evaluation only
-            bar.update(step + 1, f"loss {loss_value:.3f}  "
-                                 f"{tokens_per_step * (step + 1) / max(train_time, 1e-9):,.0f} tokens/s")
+            timed = step + 1 - compile_steps
+            bar.update(step + 1, f"loss {loss_value:.3f}" + (f"  {tokens_per_step * timed / max(train_time, 1e-9):,.0f}"
+                                                              " tokens/s" if timed > 0 else "  compiling"))
     finally:
         bar.close()
     stats_rows = te.stats(model) if stats_on else []
@@ -178,13 +212,16 @@ def train_one(name: str, corpus: Corpus, cfg: TrainConfig, progress: bool = True
         "recipe_repr": repr(recipe) if recipe is not None else "torch.autocast(bfloat16)",
         "final_train_loss": evaluate(model, eval_train, cfg.eval_batches, device, recipe),
         "final_val_loss": final_val,
-        "tokens_per_s": tokens_per_step * cfg.steps / train_time,
-        "train_s": train_time,
+        "tokens_per_s": tokens_per_step * (cfg.steps - compile_steps) / train_time,
+        "train_s": sum(step_times),
         "wall_s": time.perf_counter() - wall_start,
         "steps": cfg.steps,
         "curves": curves,
         "stats": stats_rows,
     }
+    if cfg.compile:  # the compiling steps less as many steady ones (the median of the others)
+        steady = statistics.median(step_times[compile_steps:])
+        result["compile_s"] = max(0.0, sum(step_times[:compile_steps]) - compile_steps * steady)
     if trace is not None:
         result["delayed_trace"] = trace.as_dict()
     return result
