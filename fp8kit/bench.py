@@ -343,7 +343,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from fp8kit.bench_compile import format_compile_report, run_compile_bench
 
         report = run_compile_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes,
-                                   args.compile_backend)
+                                   args.compile_backend, log=lambda line: print(line, file=sys.stderr, flush=True))
         print(format_compile_report(report))
     elif args.memory:
         from fp8kit.bench_memory import format_memory_report, run_memory_bench

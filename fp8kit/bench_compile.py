@@ -179,9 +179,9 @@ def _warm_up(step: Callable[[], None], device: torch.device, compiled: bool) -> 
     return out
 
 
-def _measure(builders: Dict[str, Callable[[], Callable[[], None]]], device: torch.device, rounds: int,
-             target_ms: float, skipped: Dict[str, str]) -> List[dict]:
-    """Build, warm up and time side by side the steps `builders` makes ({(kind, mode) name: builder}); rows with
+def _measure(builders: Dict[Tuple[str, str], Callable[[], Callable[[], None]]], device: torch.device, rounds: int,
+             target_ms: float, skipped: Dict[str, str], log: Callable[[str], None]) -> List[dict]:
+    """Build, warm up and time side by side the steps `builders` makes ({(kind, mode): builder}); rows with
     ratios against torch bf16 of the same mode and against the eager step of the same kind."""
     steps, warm = {}, {}
     for (kind, mode), build in builders.items():
@@ -191,6 +191,8 @@ def _measure(builders: Dict[str, Callable[[], Callable[[], None]]], device: torc
         try:
             steps[(kind, mode)] = build()
             warm[(kind, mode)] = _warm_up(steps[(kind, mode)], device, mode == "compiled")
+            if mode == "compiled":
+                log(f"  {name}: {warm[(kind, mode)]['graphs']} graphs, {warm[(kind, mode)]['compile_s']:.1f} s")
         except Exception as e:
             if kind != PEER:  # fp8kit and the baseline must run: errors propagate
                 raise
@@ -199,6 +201,7 @@ def _measure(builders: Dict[str, Callable[[], Callable[[], None]]], device: torc
                 f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
             skipped[kind if isinstance(e, ImportError) else name] = why
     graphs = _counters()["graphs"]
+    log(f"  timing {len(steps)} steps in {rounds} rounds")
     samples, iters = interleaved(steps, Timer(device), rounds, target_ms)
     recompiled = _counters()["graphs"] - graphs
     medians = {key: statistics.median(s) for key, s in samples.items()}
@@ -215,9 +218,12 @@ def _measure(builders: Dict[str, Callable[[], Callable[[], None]]], device: torc
 
 def run_compile_bench(device: str = "cpu", quick: bool = False, rounds: Optional[int] = None,
                       shapes: Optional[List[Tuple[int, int, int]]] = None, backend: str = "inductor",
-                      gpt: Optional[dict] = None, workloads: Sequence[str] = ("linear", "gpt")) -> dict:
+                      gpt: Optional[dict] = None, workloads: Sequence[str] = ("linear", "gpt"),
+                      log: Optional[Callable[[str], None]] = None) -> dict:
     """Run the workloads ("linear", "gpt"); returns the report dict (what `fp8kit bench --compile --json`
-    writes). `gpt`: the model and batch (keys of GPT_CONFIG), default GPT_CONFIG (QUICK_GPT_CONFIG with quick)."""
+    writes). `gpt`: the model and batch (keys of GPT_CONFIG), default GPT_CONFIG (QUICK_GPT_CONFIG with quick).
+    `log`: called with a line at each stage (the command prints them on stderr)."""
+    log = log or (lambda line: None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
     if device == "auto":
@@ -230,23 +236,26 @@ def run_compile_bench(device: str = "cpu", quick: bool = False, rounds: Optional
     skipped: Dict[str, str] = {}
     linear, started = [], time.perf_counter()
     torch._dynamo.reset()
-    startup = _warm_up(lambda: _compile(lambda t: t * 2 + 1, backend)(torch.ones(8, device=dev)), dev, True)
+    trivial, ones = _compile(lambda t: t * 2 + 1, backend), torch.ones(8, device=dev)
+    startup = _warm_up(lambda: trivial(ones), dev, True)
     # Every variant traces the same functions; one step (shape or model) at a time in dynamo's caches.
     with torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=1024):
         for shape in shapes if "linear" in workloads else []:
             torch._dynamo.reset()
+            log(f"Linear {'x'.join(map(str, shape))}:")
             builders = {(kind, mode): (lambda k=kind, m=mode: _linear_step(k, shape, dev, m == "compiled", backend))
                         for mode in MODES for kind in KINDS}
-            for row in _measure(builders, dev, rounds, target_ms, skipped):
+            for row in _measure(builders, dev, rounds, target_ms, skipped, log):
                 m, k, n = shape
                 row.update(shape=list(shape), tflops=6.0 * m * k * n / (row["median_ms"] * 1e-3) / 1e12)
                 linear.append(row)
         gpt_rows = []
         if "gpt" in workloads:
             torch._dynamo.reset()
+            log("demo GPT training step:")
             builders = {(kind, mode): (lambda k=kind, m=mode: _gpt_step(k, gpt, dev, m == "compiled", backend))
                         for mode in MODES for kind in KINDS}
-            gpt_rows = _measure(builders, dev, rounds, target_ms, skipped)
+            gpt_rows = _measure(builders, dev, rounds, target_ms, skipped, log)
         torch._dynamo.reset()
     tokens = gpt["batch_size"] * gpt["block_size"]
     for row in gpt_rows:

@@ -78,7 +78,7 @@ def test_cli_writes_the_report(report, tmp_path, capsys, monkeypatch):
     """`fp8kit bench --compile` passes its options through, prints the report and writes it as JSON (the report of
     the fixture stands in for a second run)."""
     calls = []
-    monkeypatch.setattr(bench_compile, "run_compile_bench", lambda *a: calls.append(a) or report)
+    monkeypatch.setattr(bench_compile, "run_compile_bench", lambda *a, **k: calls.append(a) or report)
     path = tmp_path / "bench.json"
     assert main(["bench", "--compile", "--quick", "--rounds", "2", "--shape", "16x32x16", "--compile-backend",
                  "eager", "--device", "cpu", "--json", str(path)]) == 0
