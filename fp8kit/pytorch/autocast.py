@@ -23,7 +23,7 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..recipe import DelayedScaling, Recipe
 from . import registry
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
@@ -32,7 +32,7 @@ from .registry import registry_states
 from .state import ScalingState
 
 __all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states", "register", "has_pending_backward",
-           "run_pending_backward", "Frame"]
+           "run_pending_backward", "Frame", "entry_recipe"]
 
 # Keys whose reduced backward update waits for the next outermost autocast entry, with the number of the step they
 # belong to (insertion order = update order, the same on every rank).
@@ -200,14 +200,23 @@ def run_pending_backward() -> None:
             registry.update_key(key, "backward")
 
 
-def _check_recipe(recipe) -> Recipe:
+_DEFAULT_RECIPE = DelayedScaling().snapshot()
+
+
+def entry_recipe(recipe, where: str = "autocast") -> Recipe:
+    """The snapshot of `recipe` (None: `DelayedScaling()`) that a scope entered now keys everything on: the recipe's
+    fields as they are at entry (fp8kit.recipe.base). Refuses what is not a recipe, and the recipes fp8kit.pytorch
+    cannot run yet."""
     if recipe is None:
-        return DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(
-            f"autocast: recipe must be a fp8kit.recipe.DelayedScaling or Float8CurrentScaling, got {recipe!r}"
-        )
-    return recipe
+        return _DEFAULT_RECIPE
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"{where}: recipe must be a fp8kit.recipe.DelayedScaling or Float8CurrentScaling, got "
+                        f"{recipe!r}")
+    if not recipe.float8_per_tensor_scaling():
+        raise NotImplementedError(
+            f"{where}: {type(recipe).__name__} is not implemented in fp8kit.pytorch yet (its quantizers are "
+            "missing); use DelayedScaling or Float8CurrentScaling")
+    return recipe.snapshot()
 
 
 @contextlib.contextmanager
@@ -222,7 +231,8 @@ def autocast(
     enabled: False runs modules in high precision.
     calibrating: with enabled=False, compute in high precision but record amaxes and update delayed-scaling
       histories and scales as an FP8 run would.
-    recipe: DelayedScaling (the default when None) or Float8CurrentScaling.
+    recipe: DelayedScaling (the default when None) or Float8CurrentScaling. Its fields are read at entry
+      (`recipe.snapshot()`): assigning to the recipe inside the context acts from the next entry on.
     amax_reduction_group: torch.distributed group over which amaxes are all-reduced (MAX) when the recipe has
       reduce_amax=True; None means the default group once torch.distributed is initialised. Every rank of the group
       must enter and exit the same autocast contexts in the same order (docs/distributed.md).
@@ -236,7 +246,7 @@ def autocast(
     """
     if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
         raise TypeError(f"autocast: enabled and calibrating must be bools, got {enabled!r} and {calibrating!r}")
-    recipe = _check_recipe(recipe)
+    recipe = entry_recipe(recipe)
     stack = _STACK.frames
     if in_backward() or (stack and stack[-1].replay):
         _STACK.frames = stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, _Step(), True),)
@@ -292,7 +302,7 @@ def graph_capture_autocast(enabled: bool, calibrating: bool, recipe: Optional[Re
                            amax_reduction_group=None) -> Iterator[None]:
     """The autocast a graph is captured under (make_graphed_callables): modules cast and record amaxes as usual,
     but keep no per-step Python state, and its exit updates nothing."""
-    recipe = _check_recipe(recipe)
+    recipe = entry_recipe(recipe)
     stack = _STACK.frames
     step = _Step()
     _STACK.frames = stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, step, graph=True),)

@@ -60,7 +60,7 @@ class KeyStates:
                 note.aborted = True
 
 
-# The registry: (recipe, group) -> states. Keys compare every recipe field (frozen dataclasses).
+# The registry: (recipe snapshot, group) -> states. Keys compare every recipe field (snapshots are read-only).
 _REGISTRY: Dict[Tuple[Recipe, object], KeyStates] = {}
 
 
@@ -98,8 +98,8 @@ def register(recipe: DelayedScaling, group, forward: ScalingState, backward: Sca
 
 
 def registry_states(recipe: Recipe, group=None) -> Tuple[List[ScalingState], List[ScalingState]]:
-    """The live (forward, backward) states registered under `(recipe, group)`."""
-    key = (recipe, group)
+    """The live (forward, backward) states registered under `(recipe, group)` (the recipe's fields as they are now)."""
+    key = (recipe.snapshot(), group)
     found = _REGISTRY.get(key)
     if found is None:
         return [], []

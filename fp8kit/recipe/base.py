@@ -172,14 +172,16 @@ def check_qparams(recipe: Any, name: str, refused: Tuple[str, ...]) -> None:
 
 # ---- the base class ------------------------------------------------------------------------------------------------
 
-_CACHES = ("_snapshot", "_repr", "_hash", "_scaled_max")
-_FIELD_NAMES: Dict[type, Tuple[str, ...]] = {}
+_CACHES = ("_snapshot", "_repr", "_hash")
 
 
 def field_names(cls: type) -> Tuple[str, ...]:
-    names = _FIELD_NAMES.get(cls)
+    """The dataclass fields of recipe class `cls`, kept on the class (read while torch.compile traces, which cannot
+    trace `dataclasses.fields`)."""
+    names = cls.__dict__.get("_field_names")
     if names is None:
-        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
+        names = tuple(f.name for f in dataclasses.fields(cls))
+        type.__setattr__(cls, "_field_names", names)
     return names
 
 
@@ -240,8 +242,10 @@ class Recipe:
     def __post_init__(self) -> None:
         d = self.__dict__
         d["_explicit"] = frozenset(n for n in self._derived if d.get(n) is not None)
+        field_names(type(self))
         self._validate()
         d["_ready"] = True
+        self._take_snapshot()
 
     def _validate(self) -> None:
         """Check every field (ValueError naming it), normalise values, derive the `_derived` fields left None."""
@@ -280,20 +284,28 @@ class Recipe:
         except BaseException:
             d.update(saved)
             raise
-        for cache in _CACHES:
-            d.pop(cache, None)
+        d.pop("_repr", None)
+        self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        """Build the snapshot of the current fields now (O(fields), at construction and at each assignment), so that
+        `snapshot()` at autocast entry is one attribute read, also while torch.compile traces."""
+        snap = object.__new__(type(self))
+        sd = snap.__dict__
+        sd.update({k: v for k, v in self.__dict__.items() if k not in _CACHES})
+        sd["_frozen"] = True
+        try:
+            sd["_hash"] = hash((type(self),) + snap._values())
+        except TypeError:  # a field value that cannot be hashed: hash(snapshot) says which
+            pass
+        self.__dict__["_snapshot"] = snap
 
     def snapshot(self) -> "Recipe":
-        """A read-only copy of the fields as they are now (hashable; `self` if this already is one)."""
+        """A read-only copy of the fields as they are now: same class, equal, hashable (`self` if this already is
+        one). autocast keys everything it builds on it."""
         if self._frozen:
             return self
-        snap = self._snapshot
-        if snap is None:
-            snap = object.__new__(type(self))
-            snap.__dict__.update({k: v for k, v in self.__dict__.items() if k not in _CACHES})
-            snap.__dict__["_frozen"] = True
-            self.__dict__["_snapshot"] = snap
-        return snap
+        return self._snapshot
 
     # ---- equality, hashing, repr, copies ------------------------------------------------------------------------
 
@@ -311,7 +323,7 @@ class Recipe:
             if not self._frozen:
                 raise TypeError(f"unhashable type: '{type(self).__name__}' (recipes are mutable, as in Transformer "
                                 "Engine; recipe.snapshot() is a read-only, hashable copy)")
-            h = self.__dict__["_hash"] = hash((type(self),) + self._values())
+            h = hash((type(self),) + self._values())  # raises, naming the unhashable field value's type
         return h
 
     def _make_repr(self) -> str:
@@ -329,6 +341,17 @@ class Recipe:
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
+        if "_ready" not in state:  # pickled by an fp8kit whose recipes were frozen dataclasses
+            self.__dict__["_explicit"] = frozenset()
+            self._validate()
+            self.__dict__["_ready"] = True
+        if self._frozen:
+            try:
+                self.__dict__["_hash"] = hash((type(self),) + self._values())
+            except TypeError:
+                pass
+        else:
+            self._take_snapshot()
 
 
 def format_name(fmt: Format) -> str:

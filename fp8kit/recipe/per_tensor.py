@@ -75,8 +75,11 @@ class DelayedScaling(Recipe):
             object.__setattr__(self, "margin", margin)  # an int stays an int (its repr), a real becomes a float
         check_int("interval", self.interval, 1)
         check_format(self.fp8_format, _FP8_FORMATS)
-        for fp8_max in {self.fp8_format.value.max_fwd, self.fp8_format.value.max_bwd}:
-            if self._compute_scaled_max(fp8_max) < 2.0 ** -126:  # below float32's normal range
+        # kept on the recipe (read while torch.compile traces, which cannot trace the float32 rounding)
+        scaled = self.__dict__["_scaled_max"] = {m: self._compute_scaled_max(m) for m in
+                                                 (self.fp8_format.value.max_fwd, self.fp8_format.value.max_bwd)}
+        for fp8_max, value in scaled.items():
+            if value < 2.0 ** -126:  # below float32's normal range
                 fail("margin", f"{self.margin!r} is too large: fp8_max * 2**-margin = {fp8_max} * 2**-{self.margin} "
                      "is below the float32 normal range, so no scale could be computed")
         check_int("amax_history_len", self.amax_history_len, 1)
@@ -99,13 +102,8 @@ class DelayedScaling(Recipe):
     def scaled_max(self, fp8_max: float) -> float:
         """The value a new scale maps the amax to: `float32(fp8_max * float32(2**-margin))`, as Transformer
         Engine computes it (`fp8_max * powf(2, -margin)` in float32); exact for integer margins."""
-        cache = self.__dict__.get("_scaled_max")
-        if cache is None:
-            cache = self.__dict__["_scaled_max"] = {}
-        value = cache.get(fp8_max)
-        if value is None:
-            value = cache[fp8_max] = self._compute_scaled_max(fp8_max)
-        return value
+        value = self.__dict__["_scaled_max"].get(fp8_max)
+        return self._compute_scaled_max(fp8_max) if value is None else value
 
     @property
     def uses_callables(self) -> bool:
