@@ -307,3 +307,13 @@ def test_copies_keep_fields_and_stay_mutable():
     replaced = dataclasses.replace(r.snapshot(), reduce_amax=True)  # a new, mutable recipe
     assert replaced.reduce_amax and replaced.amax_history_len == 16
     replaced.margin = 3
+
+
+def test_equal_recipes_share_one_snapshot_object():
+    """Registry keys then also match by identity, which torch.compile relies on when it looks up keys while tracing
+    (tests/test_recipe_mutation.py::test_compiled_function_recompiles_for_an_assigned_recipe)."""
+    a, b = DelayedScaling(amax_history_len=16), DelayedScaling()
+    assert a.snapshot() is not b.snapshot()
+    b.amax_history_len = 16
+    assert a.snapshot() is b.snapshot()
+    assert Float8CurrentScaling().snapshot() is Float8CurrentScaling().snapshot()

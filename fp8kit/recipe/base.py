@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import struct
+import weakref
 from enum import Enum
 from typing import Any, ClassVar, Dict, NamedTuple, Tuple
 
@@ -173,15 +174,18 @@ def check_qparams(recipe: Any, name: str, refused: Tuple[str, ...]) -> None:
 # ---- the base class ------------------------------------------------------------------------------------------------
 
 _CACHES = ("_snapshot", "_repr", "_hash")
+# Equal snapshots are one object (while any is referenced): registry keys then match by identity too, which is how
+# torch.compile looks up objects of user classes in dicts while it traces.
+_INTERNED: "weakref.WeakValueDictionary[tuple, Recipe]" = weakref.WeakValueDictionary()
+_FIELD_NAMES: Dict[type, Tuple[str, ...]] = {}
 
 
 def field_names(cls: type) -> Tuple[str, ...]:
-    """The dataclass fields of recipe class `cls`, kept on the class (read while torch.compile traces, which cannot
-    trace `dataclasses.fields`)."""
-    names = cls.__dict__.get("_field_names")
+    """The dataclass fields of recipe class `cls`, filled in when the first instance is built (torch.compile, which
+    may compare recipes while it traces, cannot trace `dataclasses.fields`)."""
+    names = _FIELD_NAMES.get(cls)
     if names is None:
-        names = tuple(f.name for f in dataclasses.fields(cls))
-        type.__setattr__(cls, "_field_names", names)
+        names = _FIELD_NAMES[cls] = tuple(f.name for f in dataclasses.fields(cls))
     return names
 
 
@@ -290,14 +294,20 @@ class Recipe:
     def _take_snapshot(self) -> None:
         """Build the snapshot of the current fields now (O(fields), at construction and at each assignment), so that
         `snapshot()` at autocast entry is one attribute read, also while torch.compile traces."""
-        snap = object.__new__(type(self))
-        sd = snap.__dict__
-        sd.update({k: v for k, v in self.__dict__.items() if k not in _CACHES})
-        sd["_frozen"] = True
+        values = (type(self),) + self._values()
         try:
-            sd["_hash"] = hash((type(self),) + snap._values())
+            h = hash(values)
         except TypeError:  # a field value that cannot be hashed: hash(snapshot) says which
-            pass
+            h = None
+        snap = _INTERNED.get(values) if h is not None else None
+        if snap is None:
+            snap = object.__new__(type(self))
+            sd = snap.__dict__
+            sd.update({k: v for k, v in self.__dict__.items() if k not in _CACHES})
+            sd["_frozen"] = True
+            if h is not None:
+                sd["_hash"] = h
+                _INTERNED[values] = snap
         self.__dict__["_snapshot"] = snap
 
     def snapshot(self) -> "Recipe":
