@@ -16,16 +16,16 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional
 
 import torch
 
 from ..recipe import DelayedScaling, Recipe
 from . import registry
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
+from .frames import STACK, current_frame
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .registry import register as _register_states
 from .registry import registry_states
@@ -125,23 +125,7 @@ class Frame:
         return isinstance(self.recipe, DelayedScaling) and (self.enabled or self.calibrating)
 
 
-class _ThreadStack(threading.local):
-    """The autocast stack of this thread (a tuple of Frames). A thread-local rather than a ContextVar, because
-    torch.compile traces thread-local attributes but not ContextVar.reset."""
-
-    def __init__(self):
-        # set per thread (threading.local runs __init__ in each), never a class default: torch.compile guards on
-        # the instance's __dict__, which must look the same before and after a compiled call
-        self.frames: Tuple[Frame, ...] = ()
-
-
-_STACK = _ThreadStack()
-
-
-def current_frame() -> Optional[Frame]:
-    """The innermost autocast frame, or None outside any autocast."""
-    stack = _STACK.frames
-    return stack[-1] if stack else None
+_STACK = STACK  # the thread's autocast stack (fp8kit.pytorch.frames)
 
 
 def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> None:
