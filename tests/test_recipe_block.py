@@ -80,7 +80,8 @@ def test_format_e2m1():
      "grad_block_scaling_dim"),
     (Float8BlockScaling, dict(fp8_gemm_dgrad=MMParams(False)), "fp8_gemm_dgrad"),
     (Float8BlockScaling, dict(fp8_gemm_wgrad=True), "fp8_gemm_wgrad"),
-    (Float8BlockScaling, dict(fp8_dpa=True), "fp8_dpa"), (Float8BlockScaling, dict(fp8_format=Format.E5M2), "fp8_format"),
+    (Float8BlockScaling, dict(fp8_dpa=True), "fp8_dpa"),
+    (Float8BlockScaling, dict(fp8_format=Format.E5M2), "fp8_format"),
     (Float8BlockScaling, dict(fp8_quant_fwd_inp=QParams(stochastic_rounding=True)), "fp8_quant_fwd_inp"),
     (Float8BlockScaling, dict(use_f32_scales="yes"), "use_f32_scales"),
     (NVFP4BlockScaling, dict(fp4_format=Format.E4M3), "fp4_format"),
@@ -200,3 +201,26 @@ def test_autocast_refuses_them_naming_the_recipe(cls):
             pass
     with te.autocast(recipe=None):  # the stack is intact afterwards
         layer(torch.randn(4, 32))
+
+
+def test_quantizer_role_and_requests_as_in_transformer_engine():
+    pytest.importorskip("torch")
+    import fp8kit.pytorch as te
+
+    role = te.QuantizerRole(module_type="linear", tensor_type="weight", name="fc1")
+    assert str(role) == "module_type=linear|tensor_type=weight|name=fc1"
+    assert str(te.QuantizerRole()) == "QuantizerRole()"
+    assert str(te.QuantizerRole(tensor_type="input")) == "tensor_type=input"
+    with pytest.raises(dataclasses.FrozenInstanceError):  # frozen in Transformer Engine too
+        role.name = "fc2"
+    with pytest.raises(ValueError, match="name"):
+        te.QuantizerRole(name=3)
+    request = te.DelayedScalingRequest(amax_history_len=16)
+    assert isinstance(request, te.QuantizerRequest)
+    assert hash(request) == hash(te.DelayedScalingRequest(amax_history_len=16))
+    # Transformer Engine's defaults
+    assert dataclasses.astuple(te.DelayedScalingRequest()) == (Format.HYBRID, 0, 1024, "max", None, True)
+    for bad, field in ((dict(amax_history_len=0), "amax_history_len"), (dict(margin=-1), "margin"),
+                       (dict(amax_compute_algo="mean"), "amax_compute_algo"), (dict(reduce_amax=1), "reduce_amax")):
+        with pytest.raises(ValueError, match=field):
+            te.DelayedScalingRequest(**bad)

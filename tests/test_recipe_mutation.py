@@ -6,13 +6,13 @@ torch.compile."""
 import numpy as np
 import pytest
 import torch
+from test_linear import make_refs, step_inputs
 
 import fp8kit.pytorch as te
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
 import reference as ref
 from linear_helpers import np32
-from test_linear import make_refs, step_inputs
 
 MUTATE_AT = 5
 
