@@ -14,7 +14,7 @@ from ...recipe import DelayedScaling
 from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
 from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8StateMixin
-from .gemm_call import linear_call, track_gemm_backwards
+from .linear_base import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
 from .setup import default_init_method, divide, gemm_plan, init_parameter, keep_cached_weight
 from .splits import check_splits

@@ -24,7 +24,7 @@ from ..recompute import in_backward
 from ..tensor.float8_tensor import Float8Tensor
 from .activation import activation, activation_saving_input, check_activation, is_gated
 from .base import FP8StateMixin
-from .gemm_call import high_precision_plan, linear_call, track_gemm_backwards
+from .linear_base import high_precision_plan, linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
 from .norm import check_eps, check_normalization, normalize
 from .setup import (
