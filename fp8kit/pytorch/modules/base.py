@@ -12,10 +12,9 @@ import torch
 from ...recipe import DelayedScaling
 from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
-from ..cast import fp8_dtype_of
 from ..compiled import compiling, note_compiled_call
 from ..dist_rules import label_states
-from ..quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
+from ..recipe_families import recipe_family
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
 from ..state_entry import FIELDS as _FIELDS
@@ -53,22 +52,9 @@ class FP8Call:
         return self.frame.step
 
     def quantizers(self, gemm: int = 0):
-        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module."""
-        recipe = self.frame.recipe
-        fmt = recipe.fp8_format.value
-        fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
-        if isinstance(recipe, DelayedScaling):
-            fwd, bwd = self._states
-            grad_q = DelayedQuantizer(bwd, 2 * gemm, bwd_dtype)
-            if self.replay:
-                scales = self.record.scales
-                return FixedScaleQuantizer(scales[3 * gemm], fwd_dtype), \
-                    FixedScaleQuantizer(scales[3 * gemm + 1], fwd_dtype), grad_q
-            return DelayedQuantizer(fwd, 3 * gemm, fwd_dtype), DelayedQuantizer(fwd, 3 * gemm + 1, fwd_dtype), grad_q
-        groups = self.module.current_scaling_groups(gemm)
-        roles = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
-        return tuple(CurrentQuantizer(dtype, q.amax_epsilon, q.power_2_scale, group)
-                     for dtype, q, group in zip((fwd_dtype, fwd_dtype, bwd_dtype), roles, groups))
+        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module, from the recipe's family
+        (fp8kit.pytorch.recipe_families: the one place that knows the recipe types)."""
+        return recipe_family(type(self.frame.recipe)).quantizers(self, gemm)
 
     def count_gemm_backwards(self, gemms: int) -> None:
         """Say that this call's backward runs `gemms` GEMM backwards which each report to the step when they are done

@@ -144,6 +144,20 @@ class Float8TensorStorage(QuantizedTensorStorage):
             self._transpose = self._data.reshape(-1, n).t().contiguous()
         return self
 
+    # ---- an FP8 operand saved for the backward GEMMs (fp8kit's Linear function) ----
+
+    def saved_form(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(bytes, scale tensor) to hand to `ctx.save_for_backward`: the transpose seen as a column-major view when
+        the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes; the scale
+        tensor may be None on the host path, where `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
+        return (self._transpose.t() if self._transpose is not None else self._data), self._scale_inv
+
+    @staticmethod
+    def from_saved(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
+                   scale_inv_value: Optional[float]) -> "Float8TensorStorage":
+        """An operand `saved_form` gave, back as a storage (its nominal dtype does not matter to the GEMMs)."""
+        return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
+
     # ---- autograd saving (Transformer Engine's protocol) ----
 
     def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], "Float8TensorStorage"]:
