@@ -7,6 +7,7 @@ subclass for users. Field names follow Transformer Engine (`_data`, `_scale_inv`
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -141,7 +142,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         read it; CPU tensors are returned as they are (the emulated GEMM reads any layout)."""
         if self._transpose is None and self._data.device.type != "cpu":
             n = self._data.shape[-1] if self._data.dim() else 1
-            self._transpose = self._data.reshape(-1, n).t().contiguous()
+            self._transpose = self._data.reshape(math.prod(self._data.shape[:-1]), n).t().contiguous()  # n may be 0
         return self
 
     # ---- an FP8 operand saved for the backward GEMMs (fp8kit's Linear function) ----
