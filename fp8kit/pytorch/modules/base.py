@@ -18,8 +18,8 @@ from ..recipe_families import recipe_family
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
 from ..state_entry import FIELDS as _FIELDS
-from ..state_entry import bad_fp8_entry
-from ..te_checkpoint import with_te_extra_state
+from ..state_entry import CheckpointEntryError, bad_fp8_entry
+from ..te_checkpoint import accept_extra_state, with_te_extra_state
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 STATE_CAPACITY = DelayedScaling.amax_history_len  # history rows allocated up front (the default recipe's length)
@@ -244,28 +244,33 @@ class FP8StateMixin:
             destination[base + "scale"] = state.scale
             destination[base + "update_count"] = state.count if keep_vars else state.count.detach()
 
+    def fp8_entries(self, state_dict, prefix: str):
+        """This module's FP8 entries of a checkpoint, checked: {pass name: {field: value}} (passes the checkpoint
+        lacks are left out: a torch.nn.Linear checkpoint keeps the current state). Transformer Engine's
+        `<prefix>_extra_state` (te_checkpoint.py, read without arbitrary pickle) stands in when the checkpoint has
+        none of fp8kit's keys. Raises CheckpointEntryError (a ValueError) naming the first bad key."""
+        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms)
+        entries = {}
+        for name, per_gemm in _PASSES:
+            base = f"{prefix}fp8_meta.{name}"
+            found = {f: state_dict[f"{base}.{f}"] for f in _FIELDS if f"{base}.{f}" in state_dict}
+            if not found:
+                continue
+            field, problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
+            if problem:
+                raise CheckpointEntryError(f"{base}.{field}: {problem}" if field else f"{base}: {problem}")
+            entries[name] = found
+        return entries
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # All or nothing: every FP8 entry is checked before anything of this module (parameters included) loads.
+        entries = self.fp8_entries(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
-        # Transformer Engine's `<prefix>_extra_state`, read without arbitrary pickle (te_checkpoint.py): accepted,
-        # and used as the fp8_meta entries when the checkpoint has none of fp8kit's
-        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms, unexpected_keys, error_msgs)
-        entries, problems = {}, []
-        for name, per_gemm in _PASSES:
-            base = f"{prefix}fp8_meta.{name}."
-            found = {f: state_dict[base + f] for f in _FIELDS if base + f in state_dict}
-            if not found:
-                continue  # e.g. a torch.nn.Linear checkpoint: keep the current state
-            problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
-            if problem:
-                problems.append(f"{base[:-1]}: {problem}")
-            entries[name] = found
-        if problems:  # all or nothing: a module never holds half of a checkpoint's FP8 state
-            error_msgs.extend(problems)
-            return
+        accept_extra_state(prefix, unexpected_keys)  # Transformer Engine's `<prefix>_extra_state` is expected
         for name, found in entries.items():
             self._load_state(name, found)
 
