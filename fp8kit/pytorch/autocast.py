@@ -26,6 +26,7 @@ from ..recipe import DelayedScaling, Recipe
 from . import registry
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
 from .frames import STACK, current_frame
+from .recipe_families import registered_recipes
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .registry import register as _register_states
 from .registry import registry_states
@@ -193,13 +194,13 @@ def entry_recipe(recipe, where: str = "autocast") -> Recipe:
     cannot run yet."""
     if recipe is None:
         return _DEFAULT_RECIPE
-    if not isinstance(recipe, Recipe):
-        raise TypeError(f"{where}: recipe must be a fp8kit.recipe.DelayedScaling or Float8CurrentScaling, got "
-                        f"{recipe!r}")
-    if not recipe.float8_per_tensor_scaling():
-        raise NotImplementedError(
-            f"{where}: {type(recipe).__name__} is not implemented in fp8kit.pytorch yet (its quantizers are "
-            "missing); use DelayedScaling or Float8CurrentScaling")
+    families = registered_recipes()  # the registered families (recipe_families.py)
+    if not isinstance(recipe, families):
+        names = " or ".join(c.__name__ for c in families)
+        if isinstance(recipe, Recipe) and recipe._kind:  # one of fp8kit.recipe's classes, without quantizers yet
+            raise NotImplementedError(f"{where}: {type(recipe).__name__} is not implemented in fp8kit.pytorch yet "
+                                      f"(no quantizers are registered for it); use {names}")
+        raise TypeError(f"{where}: recipe must be a fp8kit.recipe {names}, got {recipe!r}")
     return recipe.snapshot()
 
 

@@ -58,6 +58,9 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     if not isinstance(enabled, bool):
         raise TypeError(f"quantized_model_init: enabled must be a bool, got {enabled!r}")
     recipe = entry_recipe(recipe, "quantized_model_init")  # the fields at entry
+    if not recipe.float8_per_tensor_scaling():  # FP8 weights are per-tensor Float8Tensors today
+        raise NotImplementedError(f"quantized_model_init: FP8 weights under {type(recipe).__name__} are not "
+                                  "implemented; use DelayedScaling or Float8CurrentScaling")
     token = _SETTINGS.set(_Settings(enabled, recipe, bool(preserve_high_precision_init_val)))
     try:
         yield
@@ -132,3 +135,14 @@ def _keep_init_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 def is_fp8_parameter(t) -> bool:
     return isinstance(t, Float8Tensor)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside the scope (parameters created there take it), restored after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

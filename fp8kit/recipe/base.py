@@ -252,8 +252,8 @@ class Recipe:
         self._take_snapshot()
 
     def _validate(self) -> None:
-        """Check every field (ValueError naming it), normalise values, derive the `_derived` fields left None."""
-        raise NotImplementedError
+        """Check every field (ValueError naming it), normalise values, derive the `_derived` fields left None.
+        Each of fp8kit's recipes has its own; a user's subclass may leave this one (no checks)."""
 
     def _derive(self, name: str) -> Any:
         """The value of derived field `name` when not assigned."""
@@ -337,7 +337,8 @@ class Recipe:
         return h
 
     def _make_repr(self) -> str:
-        raise NotImplementedError
+        fields = ", ".join(f"{n}={getattr(self, n)}" for n in field_names(type(self)))
+        return f"recipe_type={type(self).__name__}" + (f", {fields}" if fields else "")
 
     def __repr__(self) -> str:
         text = self.__dict__.get("_repr")
