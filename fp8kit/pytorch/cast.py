@@ -117,14 +117,19 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8
                                fake_dtype=x.dtype)
 
 
-def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float) -> Float8TensorStorage:
+def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float,
+              nan_free: bool = False) -> Float8TensorStorage:
     """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
-    `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s."""
+    `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s. `nan_free`: the caller knows
+    x holds no NaN (`host.amax_nan`), so the saturated bytes hold no NaN or inf code either, which the CPU GEMM's
+    widening then need not check."""
     # Products are monotonic in |x|: when the largest stays within range no element needs the clamp.
     in_range = host.f32(amax_value * scale) <= FP8_MAX[fp8_dtype]
     data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
     # scale_inv is made from the float when asked
-    return Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
+    q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
+    q._codes_finite = nan_free
+    return q
 
 
 def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:

@@ -110,9 +110,15 @@ def _backward_layout(q: Float8TensorStorage) -> torch.Tensor:
     return q._transpose.t() if q._transpose is not None else q._data
 
 
-def _stored(data, inv, inv_value) -> Float8TensorStorage:
-    """A saved FP8 operand back as a storage (its nominal dtype does not matter to the GEMMs)."""
-    return Float8TensorStorage(data=data, fp8_scale_inv=inv, scale_inv_value=inv_value)
+def _stored(data, inv, inv_value, codes_finite: bool = False, forward: Optional[Float8TensorStorage] = None):
+    """A saved FP8 operand back as a storage (its nominal dtype does not matter to the GEMMs): `forward`, the
+    forward's storage, when it still holds these very bytes (no saved-tensor hook replaced them), so that the CPU
+    GEMM's widened values of the weight are made once per forward, not again in the backward."""
+    if forward is not None and forward._data is data:
+        return forward
+    q = Float8TensorStorage(data=data, fp8_scale_inv=inv, scale_inv_value=inv_value)
+    q._codes_finite = codes_finite
+    return q
 
 
 def _dequantized(saved, inv, inv_value, dtype):
@@ -166,6 +172,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.plan = plan
         ctx.as_fp8 = (x_as_fp8, w_as_fp8)
         ctx.inv_values = (x_fp8.scale_inv_value if x_as_fp8 else None, w_fp8.scale_inv_value if w_as_fp8 else None)
+        ctx.x_codes_finite = x_as_fp8 and x_fp8._codes_finite
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
         return y
@@ -202,7 +209,7 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if dgrad:
-                dx = gemm(dy_fp8, _stored(w_saved, w_inv, ctx.inv_values[1]), x_dtype,
+                dx = gemm(dy_fp8, _stored(w_saved, w_inv, ctx.inv_values[1], forward=plan.weight_fp8), x_dtype,
                           use_fast_accum=plan.fast_accum[1])
             else:
                 w = _dequantized(w_saved, w_inv, ctx.inv_values[1], dy.dtype) if w_as_fp8 else w_saved
@@ -212,7 +219,7 @@ class _LinearFunction(torch.autograd.Function):
                     else all_reduce_sum(dx, tp.group)
         if ctx.needs_input_grad[1]:
             if x_as_fp8:
-                x_operand = _stored(x_saved, x_inv, ctx.inv_values[0])
+                x_operand = _stored(x_saved, x_inv, ctx.inv_values[0], ctx.x_codes_finite)
             elif wgrad:  # save_original_input: cast the original input again (current scaling repeats its bytes)
                 x_operand = plan.input_q.quantize(x_saved)
             else:

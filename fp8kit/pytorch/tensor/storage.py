@@ -71,6 +71,10 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._transpose = data_transpose
         self._quantizer = quantizer
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
+        # True when the cast that wrote `_data` knows it holds no NaN/inf code (a saturating cast of a NaN-free
+        # input), so the widening skips its check; anything writing into `_data` resets it with `_values`
+        self._codes_finite = False
+        self._transposed_of = None  # the storage this one is the transpose of (shares its `values`), or None
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
         self._scale_inv_value = scale_inv_value
 
@@ -118,7 +122,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
         tensor used by two GEMMs (grad_output in dgrad and wgrad) is converted once."""
         cached = self._values
         if cached is None or cached.dtype != dtype:
-            cached = self._values = widen(self._data, dtype)
+            source = self._transposed_of
+            if source is not None and source._data is not None:  # kept on the untransposed tensor, for its next use
+                cached = self._values = source.values(dtype).t()
+            else:
+                cached = self._values = widen(self._data, dtype, self._codes_finite)
         return cached
 
     def transposed(self) -> "Float8TensorStorage":
@@ -134,6 +142,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
                                       scale_inv_value=self._scale_inv_value)
         if self._values is not None:
             out._values = self._values.t()
+        elif self._transpose is None and self._data.device.type == "cpu":
+            out._transposed_of = self  # the CPU GEMM widens `self` (kept there for the weight's reuse), not the view
+        out._codes_finite = self._codes_finite
         return out
 
     def with_transpose(self) -> "Float8TensorStorage":
@@ -176,14 +187,15 @@ WIDEN_BY_BITS_MIN_NUMEL = 1 << 16
 _SUBNORMAL = torch.tensor(2.0 ** -140, dtype=torch.float32)
 
 
-def widen(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`data.to(dtype)`, faster for large CPU tensors and bf16 or float32 results."""
+def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False) -> torch.Tensor:
+    """`data.to(dtype)`, faster for large CPU tensors and bf16 or float32 results. `codes_finite`: the caller knows
+    `data` holds no NaN or inf code (skips a check that reads the bytes twice)."""
     if data.device.type == "cpu" and data.numel() >= WIDEN_BY_BITS_MIN_NUMEL \
             and dtype in (torch.bfloat16, torch.float32):
         shift, mask, multiplier, special = _BY_BITS[data.dtype]
         codes = data.view(torch.uint8)
         # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)
-        if int((codes & 0x7F).max()) < special and float(_SUBNORMAL * 1.0) != 0:
+        if (codes_finite or int((codes & 0x7F).max()) < special) and float(_SUBNORMAL * 1.0) != 0:
             # float32 has bf16's exponent field: the same in an int32, 16 bits further up
             wide = dtype == torch.float32
             bits = codes.to(torch.int32 if wide else torch.int16)
