@@ -164,9 +164,41 @@ def test_linear_widens_each_operand_once(recipe, monkeypatch):
 
     monkeypatch.setattr(storage, "widen", spy)
     lin = te.Linear(512, 256, params_dtype=torch.bfloat16)
-    x = torch.randn(256, 512, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(128, 512, dtype=torch.bfloat16, requires_grad=True)
     with te.autocast(recipe=recipe):
         y = lin(x)
     y.float().pow(2).sum().backward()
-    assert sorted(calls) == sorted([((256, 512), True), ((256, 512), True), ((256, 512), True),
-                                    ((256, 256), True)])
+    assert sorted(calls) == sorted([((128, 512), True), ((256, 512), True), ((128, 256), True),
+                                    ((128, 512), True)])
+
+
+def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch):
+    """is_first_microbatch=True caches the FP8 weight; the later microbatches reuse its bytes and its widened
+    values (the weight is widened once for all of them), with the same outputs as casting it again."""
+    shapes = []
+    widen = storage.widen
+
+    def spy(data, dtype, codes_finite=False):
+        shapes.append(tuple(data.shape))
+        return widen(data, dtype, codes_finite)
+
+    torch.manual_seed(0)
+    lin = te.Linear(512, 256, params_dtype=torch.bfloat16)
+    xs = [torch.randn(128, 512, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    recipe = Float8CurrentScaling()
+    want = []
+    for x in xs:
+        with te.autocast(recipe=recipe):
+            y = lin(x)
+        y.float().pow(2).sum().backward()
+        want.append((y.detach(), x.grad))
+        x.grad = None
+    lin.weight.grad = None
+    monkeypatch.setattr(storage, "widen", spy)
+    for i, x in enumerate(xs):
+        with te.autocast(recipe=recipe):
+            y = lin(x, is_first_microbatch=i == 0)
+        y.float().pow(2).sum().backward()
+        assert torch.equal(y.detach(), want[i][0]) and torch.equal(x.grad, want[i][1])
+    assert shapes.count((256, 512)) == 1  # the weight, once
+    assert shapes.count((128, 512)) == 2 * len(xs)  # x in the forward and again in the backward, each time
