@@ -73,7 +73,8 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._quantizer = quantizer
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
         # True when the cast that wrote `_data` knows it holds no NaN/inf code (a saturating cast of a NaN-free
-        # input), so the widening skips its check; anything writing into `_data` resets it with `_values`
+        # input, cast.cast_host), so the widening skips its check. Only that cast sets it, on storages it makes;
+        # tensors whose bytes are written in place later (Float8Tensor) are built without it.
         self._codes_finite = False
         self._transposed_of = None  # the storage this one is the transpose of (shares its `values`), or None
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
