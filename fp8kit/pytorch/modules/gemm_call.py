@@ -15,12 +15,7 @@ from .base import FP8Call
 from .linear_function import LinearPlan, fp8_linear
 from .setup import check_operands
 
-__all__ = ["linear_call", "track_gemm_backwards", "high_precision_plan"]
-
-
-def high_precision_plan(tp) -> LinearPlan:
-    """The plan of a GEMM that runs in high precision but is split over a tensor-parallel group."""
-    return LinearPlan(None, None, None, (False, False, False), tp=tp)
+__all__ = ["linear_call", "track_gemm_backwards"]
 
 
 def linear_call(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

@@ -23,6 +23,7 @@ from .setup import (
     default_init_method,
     divide,
     gemm_plan,
+    high_precision_gemm_plan,
     init_parameter,
     keep_cached_weight,
     resolve_tensor_parallel,
@@ -161,10 +162,13 @@ class LinearBase(FP8StateMixin):
         # LayerNormLinear's norm output do not require grad, yet a recompute with a backward follows
         call = self.begin_fp8_call((inp, weight, bias, *self.parameters(recurse=False)), weight.device)
         if call is None:
-            if tp is None:
+            plan = None
+            if tp is not None or self.fuse_wgrad_accumulation or self.wgrad_store is not None:
+                param = weight if len(self.weight_names) == 1 else None
+                plan = high_precision_gemm_plan(self, tp, is_first_microbatch, param, self.wgrad_store)
+            if plan is None:
                 return F.linear(inp, weight, applied_bias)
-            return self._run(inp, weight, applied_bias, LinearPlan(None, None, None, (False, False, False), tp=tp),
-                             torch.is_autocast_enabled(inp.device.type))
+            return self._run(inp, weight, applied_bias, plan, torch.is_autocast_enabled(inp.device.type))
         return self._forward_fp8(inp, weight, applied_bias, call, is_first_microbatch)
 
     def _forward_fp8(self, inp, weight, bias, call, is_first_microbatch):
