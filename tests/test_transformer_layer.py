@@ -30,9 +30,12 @@ def _randomize(module, seed=0):
 
 
 def _norm(x, p, prefix, kind):
-    w = p[f"{prefix}weight"]
-    return F.layer_norm(x, (HID,), w, p[f"{prefix}bias"], 1e-5) if kind == "LayerNorm" else \
-        F.rms_norm(x, (HID,), w, 1e-5)
+    """TE's norms compute bf16/fp16 in float32 and round once."""
+    w, b = p[f"{prefix}weight"], p.get(f"{prefix}bias")
+    if x.dtype in (torch.bfloat16, torch.float16):
+        wide = (lambda t: None if t is None else t.float())  # noqa: E731
+        return _norm(x.float(), {f"{prefix}weight": wide(w), f"{prefix}bias": wide(b)}, prefix, kind).to(x.dtype)
+    return F.layer_norm(x, (HID,), w, b, 1e-5) if kind == "LayerNorm" else F.rms_norm(x, (HID,), w, 1e-5)
 
 
 def _attend(q, k, v, fmt, mask, causal):
