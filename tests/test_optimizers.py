@@ -223,13 +223,24 @@ def test_checkpoint_and_copies_resume_exactly(recipe_name):
 def test_unsupported_options_and_bad_input_raise():
     model = make_model(RECIPES["current"])
     params = list(model.parameters())
-    for kwargs, needle in (({"amsgrad": True}, "amsgrad"), ({"capturable": True}, "capturable"),
-                           ({"master_weights": True, "master_weight_dtype": torch.float16}, "master_weight_dtype"),
-                           ({"master_weights": True, "exp_avg_dtype": torch.bfloat16}, "exp_avg_dtype"),
-                           ({"master_weights": True, "exp_avg_sq_dtype": torch.uint8}, "exp_avg_sq_dtype"),
-                           ({"master_weights": True, "store_param_remainders": True}, "store_param_remainders")):
-        with pytest.raises(NotImplementedError, match=needle):
+    with pytest.raises(NotImplementedError, match="amsgrad"):
+        FusedAdam(params, amsgrad=True)
+    for kwargs, needle in (({"master_weights": True, "master_weight_dtype": torch.bfloat16}, "master_weight_dtype"),
+                           ({"master_weights": True, "exp_avg_dtype": torch.float64}, "exp_avg_dtype"),
+                           ({"master_weights": True, "exp_avg_sq_dtype": torch.int8}, "exp_avg_sq_dtype"),
+                           ({"capturable": True, "master_weights": True, "master_weight_dtype": torch.float16},
+                            "float32 master"),
+                           ({"capturable": True, "exp_avg_dtype": torch.bfloat16}, "both"),
+                           ({"capturable": True, "master_weights": True, "store_param_remainders": True},
+                            "remainders")):
+        with pytest.raises(ValueError, match=needle):
             FusedAdam(params, **kwargs)
+    with pytest.raises(ValueError, match="capturable"):  # FP8 weights: the write-back cannot be captured
+        for p in params:
+            p.grad = torch.zeros(p.shape)
+        FusedAdam(params, capturable=True, master_weights=True).step()
+    for p in params:
+        p.grad = None
     with pytest.raises(ValueError, match="master_weights=True"):
         FusedAdam(params)  # FP8 weights without master weights: never a silent no-op
     for kwargs, needle in (({"lr": -1.0}, "lr"), ({"betas": (0.9, 1.0)}, r"betas\[1\]"), ({"eps": float("nan")},
