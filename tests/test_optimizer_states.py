@@ -145,3 +145,14 @@ def test_capturable_keeps_tensors_and_steps_as_the_default_mode(moments):
     scaler.scale(torch.ones(()))
     scaler.step(capt)
     assert int(group["step"]) == 4 and all(torch.equal(a, q) for a, q in zip(before, qs))
+
+
+def test_zero_fp8_moments_stay_zero():
+    """An all-zero uint8 (E4M3) moment is cast with scale 1, not 1 / 0 (Transformer Engine's NaN)."""
+    p = torch.nn.Parameter(torch.ones(8, dtype=torch.bfloat16))
+    opt = FusedAdam([p], lr=LR, master_weights=True, exp_avg_dtype=torch.uint8, exp_avg_sq_dtype=torch.uint8)
+    p.grad = torch.zeros(8, dtype=torch.bfloat16)
+    opt.step()
+    for name in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(opt.get_unscaled_state(p, name), torch.zeros(8))
+    assert torch.equal(p.detach(), torch.ones(8, dtype=torch.bfloat16))
