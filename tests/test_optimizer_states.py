@@ -40,6 +40,15 @@ def params(dtype):
     return [torch.nn.Parameter((torch.randn(257) * 2).to(dtype)), torch.nn.Parameter(torch.randn(16, 8).to(dtype))]
 
 
+def step_both(a, b, ps, qs, gen):
+    """One step of optimizers `a` (on `ps`) and `b` (on `qs`) with the same random gradients."""
+    for p, q in zip(ps, qs):
+        p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        q.grad = p.grad.clone()
+    a.step()
+    b.step()
+
+
 @pytest.mark.parametrize("states", [dict(exp_avg_dtype=torch.bfloat16), dict(exp_avg_dtype=torch.float16),
                                     dict(exp_avg_dtype=torch.uint8), dict(exp_avg_sq_dtype=torch.bfloat16),
                                     dict(exp_avg_sq_dtype=torch.float16), dict(exp_avg_sq_dtype=torch.uint8),
@@ -90,11 +99,7 @@ def test_store_param_remainders_rebuilds_the_float32_masters_exactly():
     a, b = FusedAdam(whole, **kw), FusedAdam(split, store_param_remainders=True, **kw)
     gen = torch.Generator().manual_seed(2)
     for _ in range(4):
-        for p, q in zip(whole, split):
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-            q.grad = p.grad.clone()
-        a.step()
-        b.step()
+        step_both(a, b, whole, split, gen)
         for p, q in zip(whole, split):
             master, rem = a.get_unscaled_state(p, "master_param"), b.get_unscaled_state(q, "master_param")
             assert rem.dtype == torch.int16 and b.state[q]["master_param"].dtype == torch.int16
@@ -121,11 +126,7 @@ def test_capturable_keeps_tensors_and_steps_as_the_default_mode(moments):
     assert isinstance(group["lr"], torch.Tensor) and isinstance(group["step"], torch.Tensor)
     gen = torch.Generator().manual_seed(3)
     for _ in range(3):
-        for p, q in zip(ps, qs):
-            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
-            q.grad = p.grad.clone()
-        plain.step()
-        capt.step()
+        step_both(plain, capt, ps, qs, gen)
     for p, q in zip(ps, qs):
         assert torch.equal(p, q)
         for name in NAMES:
