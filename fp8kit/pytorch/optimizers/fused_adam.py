@@ -349,14 +349,14 @@ class FusedAdam(torch.optim.Optimizer):
         for group in self.param_groups:
             # as Transformer Engine: one step counter per group, advanced even when the group is empty here
             found_inf = grad_scale = None
-            if self.capturable:
+            if self.capturable:  # in place: a captured graph keeps reading the same tensor
                 step = group["step"]
                 if grad_scaler is not None and group["params"]:
                     found_inf = grad_scaler._check_inf_per_device(self)[step.device]
                     grad_scale = grad_scaler._get_scale_async()
-                    group["step"] = step + (found_inf == 0).to(step.dtype).reshape(step.shape)
+                    step.add_((found_inf == 0).to(step.dtype).reshape(step.shape))
                 else:
-                    group["step"] = step + 1
+                    step.add_(1)
             else:
                 group["step"] = group.get("step", 0) + 1
             self._step_group(group, found_inf, grad_scale)
