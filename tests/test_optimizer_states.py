@@ -157,3 +157,9 @@ def test_zero_fp8_moments_stay_zero():
     for name in ("exp_avg", "exp_avg_sq"):
         assert torch.equal(opt.get_unscaled_state(p, name), torch.zeros(8))
     assert torch.equal(p.detach(), torch.ones(8, dtype=torch.bfloat16))
+
+
+def test_master_weights_must_be_a_bool():
+    ps = params(torch.bfloat16)
+    with pytest.raises(TypeError, match="master_weights must be a bool"):
+        FusedAdam(ps, master_weights=[p.float() for p in ps])
