@@ -1,6 +1,7 @@
-"""How FusedAdam stores a state in a narrower dtype (Transformer Engine's `exp_avg_dtype`, `exp_avg_sq_dtype`,
-`master_weight_dtype`, `store_param_remainders`), and how it gets the float32 values back. The step itself always
-runs on float32 values; each stored state is rounded once after it.
+"""FusedAdam's states: where a master weight starts, the step tensors of a fused call, and how a state is stored in
+a narrower dtype (Transformer Engine's `exp_avg_dtype`, `exp_avg_sq_dtype`, `master_weight_dtype`,
+`store_param_remainders`) and read back as float32. The step itself always runs on float32 values; each stored state
+is rounded once after it.
 
   float32   the tensor itself
   bfloat16  rounded to bf16, no scale
@@ -15,6 +16,7 @@ runs on float32 values; each stored state is rounded once after it.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -22,7 +24,8 @@ import torch
 from ..quantized_tensor import QuantizedTensor
 from ..tensor.float8_tensor import Float8Quantizer
 
-__all__ = ["MOMENT_DTYPES", "new_state", "unscaled", "store", "join_master", "split_master"]
+__all__ = ["MOMENT_DTYPES", "new_state", "unscaled", "store", "join_master", "split_master", "initial_master",
+           "step_tensors"]
 
 MOMENT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.uint8)
 _RANGE = {torch.float16: torch.finfo(torch.float16).max / 2.0, torch.uint8: 448.0}
@@ -85,3 +88,32 @@ def split_master(master: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     low = (bits & 0xFFFF).to(torch.int16)  # wraps: 0x8000.. are negative, as the rounding rule reads them
     high = (bits >> 16).to(torch.int16) + (low < 0).to(torch.int16)
     return high, low
+
+
+def initial_master(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """The float32 master a parameter starts from: `get_high_precision_init_val()` when the parameter (or its local
+    tensor) has one, else its (dequantized) value."""
+    for holder in (local, param):
+        getter = getattr(holder, "get_high_precision_init_val", None)
+        value = getter() if callable(getter) else None
+        if value is not None:
+            if tuple(value.shape) != tuple(local.shape):
+                raise ValueError(f"FusedAdam: get_high_precision_init_val() of a parameter of local shape "
+                                 f"{tuple(local.shape)} has shape {tuple(value.shape)}")
+            return value.detach().to(device=local.device, dtype=torch.float32, copy=True)
+    if isinstance(local, QuantizedTensor):
+        return local.dequantize_impl(torch.float32).clone()
+    return local.detach().to(torch.float32, copy=True)
+
+
+def step_tensors(group: dict, device: torch.device, count: int):
+    """The step tensors of a fused Adam call for a parameter group: torch's fused kernels always divide by
+    1 - beta**step, so bias_correction=False passes step = inf (both corrections exactly 1)."""
+    step = group["step"]
+    if not group["bias_correction"]:
+        value = torch.full((), math.inf, dtype=torch.float32, device=device)
+    elif isinstance(step, torch.Tensor):
+        value = step.to(device=device, dtype=torch.float32).reshape(())
+    else:
+        value = torch.full((), float(step), dtype=torch.float32, device=device)
+    return [value] * count

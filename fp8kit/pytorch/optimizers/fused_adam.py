@@ -29,7 +29,6 @@ agree to float32 rounding, not bit for bit.
 
 from __future__ import annotations
 
-import math
 from itertools import chain
 from typing import Iterable, Optional
 
@@ -209,28 +208,14 @@ class FusedAdam(KeepsOptions, torch.optim.Optimizer):
             self.state[param]["master_param"] = wrap_like(param, torch.zeros(local.shape, dtype=torch.int16,
                                                                              device=local.device))
         else:
-            self._put(param, "master_param", self._initial_master(param, local))
-
-    @staticmethod
-    def _initial_master(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
-        for holder in (local, param):
-            getter = getattr(holder, "get_high_precision_init_val", None)
-            value = getter() if callable(getter) else None
-            if value is not None:
-                if tuple(value.shape) != tuple(local.shape):
-                    raise ValueError(f"FusedAdam: get_high_precision_init_val() of a parameter of local shape "
-                                     f"{tuple(local.shape)} has shape {tuple(value.shape)}")
-                return value.detach().to(device=local.device, dtype=torch.float32, copy=True)
-        if isinstance(local, QuantizedTensor):
-            return local.dequantize_impl(torch.float32).clone()
-        return local.detach().to(torch.float32, copy=True)
+            self._put(param, "master_param", adam_states.initial_master(param, local))
 
     def _state_of(self, param: torch.Tensor) -> dict:
         state = self.state[param]
         if not state:
             self.initialize_state(param)
         elif self._needs_master(local_tensor(param)) and "master_param" not in state:
-            self._put(param, "master_param", self._initial_master(param, local_tensor(param)))
+            self._put(param, "master_param", adam_states.initial_master(param, local_tensor(param)))
         return state
 
     def get_unscaled_state(self, param: torch.Tensor, state_name: str, skip_unscale: bool = False) -> torch.Tensor:
@@ -392,7 +377,7 @@ class FusedAdam(KeepsOptions, torch.optim.Optimizer):
         lr = group["lr"] if isinstance(group["lr"], torch.Tensor) else float(group["lr"])
         fused = torch._fused_adamw_ if self.adam_w_mode else torch._fused_adam_
         for device, (params, grads, exp_avgs, exp_avg_sqs) in by_device(rows).items():
-            fused(params, grads, exp_avgs, exp_avg_sqs, [], self._steps(group, device, len(params)), lr=lr,
+            fused(params, grads, exp_avgs, exp_avg_sqs, [], adam_states.step_tensors(group, device, len(params)), lr=lr,
                   beta1=beta1, beta2=beta2, weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
                   amsgrad=False, maximize=False, grad_scale=grad_scale, found_inf=found_inf)
         for p, local, master, work, moments in updated:
@@ -409,16 +394,3 @@ class FusedAdam(KeepsOptions, torch.optim.Optimizer):
                 local.quantize_(work)  # the parameter's quantizer: its recipe's scale, amax recorded or reduced
             elif local is not work:
                 local.copy_(work)
-
-    @staticmethod
-    def _steps(group: dict, device: torch.device, count: int):
-        """The step tensors of the fused call: the fused kernels always divide by 1 - beta**step; at step = inf
-        both corrections are exactly 1 (bias_correction=False)."""
-        step = group["step"]
-        if not group["bias_correction"]:
-            value = torch.full((), math.inf, dtype=torch.float32, device=device)
-        elif isinstance(step, torch.Tensor):
-            value = step.to(device=device, dtype=torch.float32).reshape(())
-        else:
-            value = torch.full((), float(step), dtype=torch.float32, device=device)
-        return [value] * count
