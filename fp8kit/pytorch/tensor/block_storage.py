@@ -1,0 +1,196 @@
+"""What the block-scaled storages and tensors share (MXFP8 and Float8 block scaling): Transformer Engine's four
+fields `_rowwise_data`, `_rowwise_scale_inv`, `_columnwise_data`, `_columnwise_scale_inv` (FP8 bytes as `torch.uint8`,
+the format in `_fp8_dtype`), saving for backward, usages, and the torch.Tensor plumbing that keeps a block tensor
+quantized through detach / clone / device moves (every other operation runs on dequantized values)."""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..constants import DType, fp8_torch_dtype
+from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, run_dequantized
+
+__all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "FIELDS"]
+
+FIELDS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
+aten = torch.ops.aten
+
+
+class BlockScaledStorage(QuantizedTensorStorage):
+    """The four tensors of a block-scaled quantized tensor, its format (`_fp8_dtype`, a DType), nominal dtype
+    (`_dtype`) and quantizer. Subclasses say how the layouts map to the logical shape and how to dequantize."""
+
+    def _set_fields(self, rowwise_data, rowwise_scale_inv, columnwise_data, columnwise_scale_inv, fp8_dtype,
+                    quantizer, fake_dtype) -> None:
+        if rowwise_data is None and columnwise_data is None:
+            raise ValueError(f"{type(self).__name__}: needs rowwise_data or columnwise_data")
+        for name, data, scale in (("rowwise", rowwise_data, rowwise_scale_inv),
+                                  ("columnwise", columnwise_data, columnwise_scale_inv)):
+            if data is not None and (not isinstance(data, torch.Tensor) or data.dtype != torch.uint8):
+                raise TypeError(f"{type(self).__name__}: {name}_data must be a torch.uint8 tensor (FP8 bytes), got "
+                                f"{getattr(data, 'dtype', type(data))}")
+            if data is not None and not isinstance(scale, torch.Tensor):
+                raise TypeError(f"{type(self).__name__}: {name}_scale_inv must be a tensor when {name}_data is given")
+        self._rowwise_data = rowwise_data
+        self._rowwise_scale_inv = rowwise_scale_inv
+        self._columnwise_data = columnwise_data
+        self._columnwise_scale_inv = columnwise_scale_inv
+        fp8_torch_dtype(fp8_dtype, f"{type(self).__name__} fp8_dtype")  # validates
+        self._fp8_dtype = DType.cast(fp8_dtype)
+        self._quantizer = quantizer.copy() if quantizer is not None else None
+        self._dtype = fake_dtype if fake_dtype is not None else torch.float32
+
+    # ---- reading ----
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        """The torch float8 dtype the bytes are in."""
+        return fp8_torch_dtype(self._fp8_dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._dtype
+
+    @property
+    def device(self) -> torch.device:
+        data = self._rowwise_data if self._rowwise_data is not None else self._columnwise_data
+        return data.device
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.size()
+
+    def size(self, *args, **kwargs):
+        shape = self._logical_shape()
+        dim = args[0] if args else kwargs.get("dim")
+        return shape if dim is None else shape[dim]
+
+    def _logical_shape(self) -> torch.Size:
+        raise NotImplementedError
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The values as a plain tensor of `dtype` (default: the nominal dtype)."""
+        return self.dequantize_impl(self._dtype if dtype is None else dtype)
+
+    def dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
+        raise NotImplementedError
+
+    def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
+        """The data tensors asked for (one, or a tuple of two)."""
+        if rowwise_data and columnwise_data:
+            return self._rowwise_data, self._columnwise_data
+        return self._rowwise_data if rowwise_data else self._columnwise_data
+
+    def get_usages(self) -> Dict[str, bool]:
+        return {"rowwise": self._rowwise_data is not None, "columnwise": self._columnwise_data is not None}
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """Drop a layout that is no longer needed. A missing layout cannot be made from the other (both are
+        quantized from the high-precision input): asking for one is an error."""
+        for usage, name in ((rowwise_usage, "rowwise"), (columnwise_usage, "columnwise")):
+            if usage is False:
+                if getattr(self, f"_{'columnwise' if name == 'rowwise' else 'rowwise'}_data") is None:
+                    raise RuntimeError(f"{type(self).__name__}: cannot drop the {name} data, the only layout left")
+                setattr(self, f"_{name}_data", None)
+                setattr(self, f"_{name}_scale_inv", None)
+            elif usage and getattr(self, f"_{name}_data") is None:
+                raise RuntimeError(f"{type(self).__name__}: {name} data was not quantized; quantize with "
+                                   f"{name}=True (it cannot be derived from the other layout)")
+
+    def clear(self) -> None:
+        """Release the data (empty tensors), as Transformer Engine's `clear`."""
+        for name in FIELDS:
+            t = getattr(self, name)
+            if t is not None:
+                setattr(self, name, torch.empty(0, dtype=t.dtype, device=t.device))
+
+    # ---- saving for backward ----
+
+    def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], "BlockScaledStorage"]:
+        tensors = [getattr(self, name) for name in FIELDS]
+        for name in FIELDS:
+            setattr(self, name, None)
+        return tensors, self
+
+    def restore_from_saved(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
+        for name, t in zip(FIELDS, tensors):
+            setattr(self, name, t)
+        return tensors[len(FIELDS):]
+
+    def _fields(self) -> Dict[str, Optional[torch.Tensor]]:
+        return {name.lstrip("_"): getattr(self, name) for name in FIELDS}
+
+
+def _mapped(t: "BlockScaledTensorMixin", fn) -> "BlockScaledTensorMixin":
+    fields = {k: (None if v is None else fn(v)) for k, v in t._fields().items()}
+    return t._rebuild(fields)
+
+
+def _to_copy(t, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
+    if dtype is not None and dtype != t.dtype:
+        return NotImplemented
+    return _mapped(t, lambda v: v.to(device=device or v.device, non_blocking=non_blocking))
+
+
+def _copy_(dst, src, non_blocking=False):
+    if not isinstance(dst, BlockScaledTensorMixin):
+        return NotImplemented
+    values = src.dequantize_impl(src.dtype) if isinstance(src, QuantizedTensor) else src
+    dst.quantize_(values.to(device=dst.device))
+    return dst
+
+
+_HANDLERS = {
+    aten.detach.default: lambda t: _mapped(t, lambda v: v),
+    aten.clone.default: lambda t, memory_format=None: _mapped(t, torch.clone),
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+}
+
+
+class BlockScaledTensorMixin:
+    """torch.Tensor plumbing of MXFP8Tensor and Float8BlockwiseQTensor (mixed in before QuantizedTensor)."""
+
+    _flag: bool  # with_gemm_swizzled_scales (MXFP8) or _is_2D_scaled (Float8 block)
+
+    @classmethod
+    def _make(cls, fields: Dict[str, Optional[torch.Tensor]], fp8_dtype, dtype: torch.dtype, flag: bool, quantizer):
+        raise NotImplementedError
+
+    def _default_quantizer(self):
+        raise NotImplementedError
+
+    def _rebuild(self, fields: Dict[str, Optional[torch.Tensor]]):
+        return self._make(fields, self._fp8_dtype, self.dtype, self._flag, self._quantizer)
+
+    def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None):
+        """Quantize `tensor` into this tensor's fields, in place, with its quantizer."""
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize_impl(tensor.dtype)
+        quantizer = self._quantizer if self._quantizer is not None else self._default_quantizer()
+        quantizer.update_quantized(tensor.detach(), self, noop_flag=noop_flag)
+        return self
+
+    def __reduce_ex__(self, protocol):
+        state = (self._fields(), int(self._fp8_dtype), self.dtype, self._flag)
+        return _rebuild_pickled, (type(self), state, self.requires_grad)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        handler = _HANDLERS.get(func)
+        if handler is not None:
+            out = handler(*args, **kwargs)
+            if out is not NotImplemented:
+                return out
+        return run_dequantized(func, args, kwargs)
+
+
+def _rebuild_pickled(cls, state, requires_grad):
+    fields, fp8_dtype, dtype, flag = state
+    out = cls._make(fields, fp8_dtype, dtype, flag, None)
+    if requires_grad:
+        out.requires_grad_(True)
+    return out
