@@ -10,9 +10,9 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, run_dequantized
+from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, run_dequantized
 
-__all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "FIELDS"]
+__all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "BlockQuantizer", "FIELDS"]
 
 FIELDS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
 aten = torch.ops.aten
@@ -194,3 +194,62 @@ def _rebuild_pickled(cls, state, requires_grad):
     if requires_grad:
         out.requires_grad_(True)
     return out
+
+
+class BlockQuantizer(Quantizer):
+    """What MXFP8Quantizer and Float8BlockQuantizer share: the format, input checks and in-place updates.
+    Subclasses give `_fields(x)` (the four TE fields for a checked high-precision `x`), `_shape_error(x)` and
+    `_storage_class`."""
+
+    _storage_class = BlockScaledStorage
+
+    def __init__(self, fp8_dtype, *, rowwise: bool, columnwise: bool) -> None:
+        super().__init__(rowwise=rowwise, columnwise=columnwise)
+        self.dtype = DType.cast(fp8_torch_dtype(fp8_dtype, f"{type(self).__name__} fp8_dtype"))
+        self.optimize_for_gemm = False  # fp8kit keeps compact scales
+
+    @property
+    def fp8_torch_dtype(self) -> torch.dtype:
+        return fp8_torch_dtype(self.dtype)
+
+    def _fields(self, x: torch.Tensor) -> dict:
+        raise NotImplementedError
+
+    def _shape_error(self, x: torch.Tensor) -> Optional[str]:
+        return None
+
+    def _check(self, tensor: torch.Tensor) -> torch.Tensor:
+        name = type(self).__name__
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() \
+                or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise TypeError(f"{name}: expected a float32/bfloat16/float16 tensor, got "
+                            f"{getattr(tensor, 'dtype', type(tensor))}")
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize_impl(tensor.dtype)
+        problem = self._shape_error(tensor)
+        if problem:
+            raise ValueError(f"{name}: {problem}")
+        if not (self.rowwise_usage or self.columnwise_usage):
+            raise ValueError(f"{name}: neither rowwise nor columnwise usage is set")
+        return tensor.detach()
+
+    def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: Optional[torch.Tensor] = None):
+        """Quantize `src` into `dst`'s fields; with `noop_flag` (float32, 1 means skip) the old bytes are kept
+        where the flag is 1, without reading the flag on the host."""
+        name = type(self).__name__
+        if not isinstance(dst, self._storage_class):
+            raise TypeError(f"{name}.update_quantized: dst must be a {self._storage_class.__name__}, got "
+                            f"{type(dst).__name__}")
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ValueError(f"{name}.update_quantized: shapes differ, src {tuple(src.shape)} vs dst "
+                             f"{tuple(dst.shape)}")
+        fields = self._fields(self._check(src).to(dst.device))
+        keep = None if noop_flag is None else (noop_flag.reshape(()) == 1)
+        for field, new in fields.items():
+            old = getattr(dst, "_" + field)
+            if new is None or old is None or keep is None or old.shape != new.shape:
+                setattr(dst, "_" + field, new)
+            else:
+                old.copy_(torch.where(keep, old, new))
+        dst._fp8_dtype = self.dtype
+        return dst

@@ -16,9 +16,8 @@ from typing import Iterable, Optional, Tuple
 import torch
 
 from .. import block_cast as bc
-from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, Quantizer
-from .block_storage import BlockScaledStorage, BlockScaledTensorMixin
+from ..quantized_tensor import QuantizedTensor
+from .block_storage import BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage", "mxfp8_scale_shape"]
 
@@ -140,7 +139,7 @@ class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
         return f"MXFP8Tensor(fp8_dtype={self._fp8_dtype.name}, data={self.dequantize_impl(self.dtype)})"
 
 
-class MXFP8Quantizer(Quantizer):
+class MXFP8Quantizer(BlockQuantizer):
     """Quantizes to MXFP8: one E8M0 scale per 1x32 block (rowwise usage) and per 32x1 block (columnwise usage),
     both from the high-precision input; `with_2d_quantization=True` uses one scale per 32x32 block for both (TE
     uses it for forward weights).
@@ -151,14 +150,10 @@ class MXFP8Quantizer(Quantizer):
 
     def __init__(self, fp8_dtype, *, rowwise: bool = True, columnwise: bool = True,
                  with_2d_quantization: bool = False) -> None:
-        super().__init__(rowwise=rowwise, columnwise=columnwise)
-        self.dtype = DType.cast(fp8_torch_dtype(fp8_dtype, "MXFP8Quantizer fp8_dtype"))
+        super().__init__(fp8_dtype, rowwise=rowwise, columnwise=columnwise)
         self.with_2d_quantization = bool(with_2d_quantization)
-        self.optimize_for_gemm = False
 
-    @property
-    def fp8_torch_dtype(self) -> torch.dtype:
-        return fp8_torch_dtype(self.dtype)
+    _storage_class = MXFP8TensorStorage
 
     def copy(self) -> "MXFP8Quantizer":
         out = MXFP8Quantizer(self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
@@ -180,19 +175,11 @@ class MXFP8Quantizer(Quantizer):
         m, k = _flat2d(inp.shape)
         return m % bc.MXFP8_BLOCK == 0 and k % bc.MXFP8_BLOCK == 0
 
-    def _check(self, tensor: torch.Tensor) -> torch.Tensor:
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() \
-                or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise TypeError(f"MXFP8Quantizer: expected a float32/bfloat16/float16 tensor, got "
-                            f"{getattr(tensor, 'dtype', type(tensor))}")
-        if isinstance(tensor, QuantizedTensor):
-            tensor = tensor.dequantize_impl(tensor.dtype)
-        if not self.is_quantizable(tensor):
-            raise ValueError(f"MXFP8 requires tensor dims that are divisible by {bc.MXFP8_BLOCK} (at least 2 dims, "
-                             f"flattened first dims and last dim), got shape {tuple(tensor.shape)}")
-        if not (self.rowwise_usage or self.columnwise_usage):
-            raise ValueError("MXFP8Quantizer: neither rowwise nor columnwise usage is set")
-        return tensor.detach()
+    def _shape_error(self, x: torch.Tensor) -> Optional[str]:
+        if self.is_quantizable(x):
+            return None
+        return (f"MXFP8 requires tensor dims that are divisible by {bc.MXFP8_BLOCK} (at least 2 dims; the flattened "
+                f"first dims and the last dim), got shape {tuple(x.shape)}")
 
     def _fields(self, x: torch.Tensor) -> dict:
         """The four TE fields for the high-precision `x`."""
@@ -222,23 +209,6 @@ class MXFP8Quantizer(Quantizer):
         if self.internal:
             return MXFP8TensorStorage(fp8_dtype=self.dtype, quantizer=self, fake_dtype=x.dtype, **fields)
         return MXFP8Tensor(dtype=x.dtype, fp8_dtype=self.dtype, quantizer=self, **fields)
-
-    def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: Optional[torch.Tensor] = None):
-        if not isinstance(dst, MXFP8TensorStorage):
-            raise TypeError(f"MXFP8Quantizer.update_quantized: dst must be an MXFP8Tensor, got {type(dst).__name__}")
-        if tuple(src.shape) != tuple(dst.shape):
-            raise ValueError(f"MXFP8Quantizer.update_quantized: shapes differ, src {tuple(src.shape)} vs dst "
-                             f"{tuple(dst.shape)}")
-        fields = self._fields(self._check(src).to(dst.device))
-        keep = None if noop_flag is None else (noop_flag.reshape(()) == 1)
-        for name, new in fields.items():
-            old = getattr(dst, "_" + name)
-            if new is None or old is None or keep is None:
-                setattr(dst, "_" + name, new)
-            else:
-                old.copy_(torch.where(keep, old, new))  # no host read of the flag
-        dst._fp8_dtype = self.dtype
-        return dst
 
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False, pin_memory: bool = False):
