@@ -244,3 +244,54 @@ def float8_block_quantize(x: np.ndarray, fmt: str, tile: tuple, power_2: bool = 
 def fp8_values(q_bytes: np.ndarray, fmt: str) -> np.ndarray:
     """The float64 values of FP8 bytes."""
     return np.asarray(q_bytes, dtype=np.uint8).view(FP8[fmt][0]).astype(np.float64)
+
+
+def round_f32(v) -> np.float32:
+    """The exact rational `v` (a fractions.Fraction) rounded to float32, to nearest, ties to even."""
+    from fractions import Fraction
+
+    f = np.float32(float(v))
+    cands = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    cands = [c for c in cands if np.isfinite(c)]
+
+    def key(c):
+        return abs(Fraction(float(c)) - v), int(np.array(c, dtype=np.float32).view(np.uint32)) & 1
+
+    return np.float32(min(cands, key=key))
+
+
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add, elementwise, rounded once: where the float64 sum of the (exact) float64 product
+    and c is exact (its TwoSum error is 0) that sum is rounded to float32; elsewhere the exact value is built with
+    fractions and rounded."""
+    from fractions import Fraction
+
+    a, b, c = np.broadcast_arrays(np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(c, np.float32))
+    p = a.astype(np.float64) * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    out = s.astype(np.float32)
+    for i in zip(*np.nonzero(err != 0)):
+        out[i] = round_f32(Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i])))
+    return out
+
+
+def block_gemm(qa: np.ndarray, sa: np.ndarray, qb: np.ndarray, sb: np.ndarray, block: int, a_1d: bool = True,
+               b_1d: bool = True) -> np.ndarray:
+    """A @ B^T in the order docs/numerics.md writes down: FP8 values qa (M, K) and qb (N, K) as float64, float32
+    scales per (row, K block) sa (M, nb) and sb (N, nb); per K block j: P = float32(exact float64 sum),
+    then y = fma(P * s1, s2, y) (s1 the 1-D operand's scale, A's first) or y = fma(P, sa * sb, y) for 2-D x 2-D."""
+    m, k = qa.shape
+    y = np.zeros((m, qb.shape[0]), dtype=np.float32)
+    for j in range(-(-k // block)):
+        blk = slice(j * block, (j + 1) * block)
+        p = (qa[:, blk] @ qb[:, blk].T).astype(np.float32)
+        a_s, b_s = sa[:, j, None].astype(np.float32), sb[None, :, j].astype(np.float32)
+        if not a_1d and not b_1d:
+            y = fma_f32(p, a_s * b_s, y)
+        elif not a_1d:
+            y = fma_f32(p * b_s, a_s, y)
+        else:
+            y = fma_f32(p * a_s, b_s, y)
+    return y
