@@ -4,12 +4,13 @@
 import numpy as np
 import pytest
 import torch
-
-import reference as ref
 from block_helpers import to_np32
+
 from fp8kit.pytorch.block_gemm import block_gemm, block_operand, fma32
 from fp8kit.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from fp8kit.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
+
+import reference as ref
 
 U = 2.0 ** -24  # float32 unit roundoff
 

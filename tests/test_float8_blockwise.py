@@ -1,16 +1,22 @@
 """Float8BlockQuantizer / Float8BlockwiseQTensor against the independent reference (tests/reference.py): bytes and
 float32 scales bit for bit, TE's transposed scale layouts and columnwise data, special blocks, any shape."""
 
+import io
 import pickle
 
 import numpy as np
 import pytest
 import torch
+from block_helpers import all_bf16, special_blocks, to_np32, wide_range
+
+import fp8kit.pytorch  # noqa: F401  (registers the safe globals for torch.load)
+from fp8kit.pytorch.tensor.float8_blockwise_tensor import (
+    Float8BlockQuantizer,
+    Float8BlockwiseQTensor,
+    Float8BlockwiseQTensorStorage,
+)
 
 import reference as ref
-from block_helpers import all_bf16, special_blocks, to_np32, wide_range
-from fp8kit.pytorch.tensor.float8_blockwise_tensor import (Float8BlockQuantizer, Float8BlockwiseQTensor,
-                                                           Float8BlockwiseQTensorStorage)
 
 FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -147,7 +153,11 @@ def test_tensor_behaviour():
     quantizer = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1)
     q = quantizer(x)
     assert isinstance(q, Float8BlockwiseQTensor) and q.shape == x.shape and q.dtype == torch.bfloat16
-    for copy in (q.detach(), q.clone(), pickle.loads(pickle.dumps(q)), q.to("cpu")):
+    buffer = io.BytesIO()
+    torch.save(q, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    for copy in (q.detach(), q.clone(), pickle.loads(pickle.dumps(q)), q.to("cpu"), loaded):
         assert isinstance(copy, Float8BlockwiseQTensor) and torch.equal(copy.dequantize(), q.dequantize())
     empty = quantizer.make_empty(x.shape, dtype=x.dtype)
     empty.copy_(x)

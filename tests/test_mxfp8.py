@@ -1,16 +1,19 @@
 """MXFP8Quantizer / MXFP8Tensor against the independent reference (tests/reference.py): bytes and E8M0 scales bit for
 bit, TE's padded layouts, special blocks, errors."""
 
+import io
 import pickle
 
 import numpy as np
 import pytest
 import torch
-
-import reference as ref
 from block_helpers import all_bf16, special_blocks, to_np32, wide_range
+
+import fp8kit.pytorch  # noqa: F401  (registers the safe globals for torch.load)
 from fp8kit.pytorch import block_cast as bc
 from fp8kit.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
+
+import reference as ref
 
 FMTS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -127,7 +130,11 @@ def test_tensor_behaviour():
     quantizer = MXFP8Quantizer(torch.float8_e4m3fn)
     q = quantizer(x)
     assert isinstance(q, MXFP8Tensor) and q.shape == x.shape and q.dtype == torch.float32
-    for copy in (q.detach(), q.clone(), pickle.loads(pickle.dumps(q)), q.to("cpu")):
+    buffer = io.BytesIO()
+    torch.save(q, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    for copy in (q.detach(), q.clone(), pickle.loads(pickle.dumps(q)), q.to("cpu"), loaded):
         assert isinstance(copy, MXFP8Tensor) and torch.equal(copy.dequantize(), q.dequantize())
     assert torch.equal(q + 0, q.dequantize()), "other ops run on the values"
     empty = quantizer.make_empty((64, 64))

@@ -4,8 +4,8 @@ rules are the same; the tests below pin the places where they differ (docs/numer
 
 import pytest
 import torch
-
 from block_helpers import all_bf16, wide_range
+
 from fp8kit.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
 mx_formats = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")

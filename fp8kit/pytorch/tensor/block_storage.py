@@ -175,7 +175,7 @@ class BlockScaledTensorMixin:
 
     def __reduce_ex__(self, protocol):
         state = (self._fields(), int(self._fp8_dtype), self.dtype, self._flag)
-        return _rebuild_pickled, (type(self), state, self.requires_grad)
+        return rebuild_pickled_block_tensor, (type(self), state, self.requires_grad)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -188,7 +188,8 @@ class BlockScaledTensorMixin:
         return run_dequantized(func, args, kwargs)
 
 
-def _rebuild_pickled(cls, state, requires_grad):
+def rebuild_pickled_block_tensor(cls, state, requires_grad):
+    """Rebuild a pickled MXFP8Tensor / Float8BlockwiseQTensor (allowed by `torch.load(weights_only=True)`)."""
     fields, fp8_dtype, dtype, flag = state
     out = cls._make(fields, fp8_dtype, dtype, flag, None)
     if requires_grad:
