@@ -130,3 +130,23 @@ def test_errors():
         block_gemm(x, mx)
     with pytest.raises(ValueError, match="needs out"):
         block_gemm(mx, mx, accumulate=True)
+
+
+def test_module_gemm_rule_layouts():
+    """`block_gemm_rule(a, b)` is `a @ b` with `.transposed()` views, as Linear's fprop, dgrad and wgrad call it."""
+    from fp8kit.pytorch.block_recipes import block_gemm_rule
+
+    g = torch.Generator().manual_seed(4)
+    x, w, dy = torch.randn(64, 256, generator=g), torch.randn(96, 256, generator=g), torch.randn(64, 96, generator=g)
+    for quantizer in (MXFP8Quantizer(torch.float8_e4m3fn),
+                      Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1)):
+        qx, qw, qdy = quantizer(x), quantizer(w), quantizer(dy)
+        y = block_gemm_rule(qx, qw.transposed(), torch.float32)
+        dx = block_gemm_rule(qdy, qw.saved_form()[0], torch.bfloat16)
+        dw = block_gemm_rule(qdy.transposed(), qx, torch.float32)
+        assert y.shape == (64, 96) and dx.shape == (64, 256) and dw.shape == (96, 256) and dx.dtype == torch.bfloat16
+        assert torch.equal(y, block_gemm(qx, qw))
+        assert torch.equal(dx, block_gemm(qdy, qw, transpose_b=True, out_dtype=torch.bfloat16))
+        assert torch.equal(dw, block_gemm(qdy, qx, transpose_a=True, transpose_b=True))
+        assert torch.equal(qdy.transposed().dequantize(), qdy.dequantize().t())
+        assert qw.transposed().transposed() is qw

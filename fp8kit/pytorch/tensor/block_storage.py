@@ -12,7 +12,7 @@ import torch
 from ..constants import DType, fp8_torch_dtype
 from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, run_dequantized
 
-__all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "BlockQuantizer", "FIELDS"]
+__all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "BlockQuantizer", "TransposedBlockOperand", "FIELDS"]
 
 FIELDS = ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv")
 aten = torch.ops.aten
@@ -121,6 +121,45 @@ class BlockScaledStorage(QuantizedTensorStorage):
 
     def _fields(self) -> Dict[str, Optional[torch.Tensor]]:
         return {name.lstrip("_"): getattr(self, name) for name in FIELDS}
+
+    # ---- a GEMM operand (fp8kit's module GEMMs: fp8kit.pytorch.block_recipes) ----
+
+    scale_inv_value = None  # per-tensor FP8's host-side scale; block scales live in tensors only
+
+    def transposed(self) -> "TransposedBlockOperand":
+        """This tensor (flattened to 2-D) as the transpose in a GEMM, `gemm(a, b)` computing `a @ b`: the GEMM then
+        reads the columnwise layout (blocks along the other dim), no bytes move."""
+        return TransposedBlockOperand(self)
+
+    def as_tensor(self):
+        """The same fields as the torch.Tensor subclass (what `ctx.save_for_backward` can hold)."""
+        raise NotImplementedError
+
+    def saved_form(self) -> Tuple[torch.Tensor, None]:
+        """(a tensor holding every field, None) for `ctx.save_for_backward`; `from_saved` gives the operand back."""
+        return self.as_tensor(), None
+
+    @staticmethod
+    def from_saved(data, scale_inv=None, scale_inv_value=None):
+        """The operand `saved_form` gave (the tensor subclass is itself a storage)."""
+        return data
+
+
+class TransposedBlockOperand:
+    """The transpose of a block-scaled tensor as a GEMM operand (see `BlockScaledStorage.transposed`)."""
+
+    __slots__ = ("storage",)
+
+    def __init__(self, storage: BlockScaledStorage):
+        self.storage = storage
+
+    def transposed(self) -> BlockScaledStorage:
+        return self.storage
+
+    def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """The values of the transpose (the flattened 2-D tensor, transposed)."""
+        values = self.storage.dequantize(dtype)
+        return values.reshape(-1, values.shape[-1]).t()
 
 
 def _mapped(t: "BlockScaledTensorMixin", fn) -> "BlockScaledTensorMixin":

@@ -100,6 +100,11 @@ class Float8BlockwiseQTensorStorage(BlockScaledStorage):
             return values.t().reshape(self._logical_shape()).to(dtype)
         return values.reshape(data.shape).to(dtype)
 
+    def as_tensor(self) -> "Float8BlockwiseQTensor":
+        if isinstance(self, Float8BlockwiseQTensor):
+            return self
+        return Float8BlockwiseQTensor._make(self._fields(), self._fp8_dtype, self._dtype, self._flag, self._quantizer)
+
     def __repr__(self) -> str:
         return (f"Float8BlockwiseQTensorStorage(shape={tuple(self._logical_shape())}, "
                 f"fp8_dtype={self._fp8_dtype.name}, is_2D_scaled={self._is_2D_scaled}, usages={self.get_usages()}, "

@@ -83,6 +83,11 @@ class MXFP8TensorStorage(BlockScaledStorage):
             values = values.reshape(m, k // bc.MXFP8_BLOCK, bc.MXFP8_BLOCK) * scale[:, :, None]
         return values.reshape(data.shape).to(dtype)
 
+    def as_tensor(self) -> "MXFP8Tensor":
+        if isinstance(self, MXFP8Tensor):
+            return self
+        return MXFP8Tensor._make(self._fields(), self._fp8_dtype, self._dtype, self._flag, self._quantizer)
+
     def __repr__(self) -> str:
         return (f"MXFP8TensorStorage(shape={tuple(self._logical_shape())}, fp8_dtype={self._fp8_dtype.name}, "
                 f"usages={self.get_usages()}, dtype={self._dtype})")
