@@ -150,3 +150,23 @@ def test_module_gemm_rule_layouts():
         assert torch.equal(dw, block_gemm(qdy, qx, transpose_a=True, transpose_b=True))
         assert torch.equal(qdy.transposed().dequantize(), qdy.dequantize().t())
         assert qw.transposed().transposed() is qw
+
+
+@pytest.mark.parametrize("case", ["randn", "wide", "tiny", "e5m2"])
+def test_fast_path_equals_fused_multiply_add(case):
+    """The CPU's plain float32 adds (power-of-two scales in range) give the emulated FMA's numbers; out of range
+    (tiny scales) the GEMM falls back to the FMA."""
+    from block_helpers import wide_range
+    from fp8kit.pytorch import block_gemm as bg
+
+    g = torch.Generator().manual_seed(6)
+    x = {"randn": lambda: torch.randn(64, 256, generator=g), "wide": lambda: wide_range((64, 256), torch.float32, 2),
+         "tiny": lambda: torch.randn(64, 256, generator=g) * 1e-36, "e5m2": lambda: torch.randn(64, 256, generator=g)}
+    fmt = torch.float8_e5m2 if case == "e5m2" else torch.float8_e4m3fn
+    w = torch.randn(32, 256, generator=g)
+    for q in (MXFP8Quantizer(fmt), Float8BlockQuantizer(fmt, rowwise=True, columnwise=True, block_scaling_dim=1)):
+        qx, qw = q(x[case]()), q(w)
+        A, B = block_operand(qx), block_operand(qw)
+        if case != "wide":  # wide: some blocks out of range, the FMA runs
+            assert bg._fast_is_exact(A, B) == (case != "tiny")
+        assert torch.equal(block_gemm(qx, qw), bg._accumulate(A, B, fast=False))
