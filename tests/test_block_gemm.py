@@ -172,3 +172,18 @@ def test_fast_path_equals_fused_multiply_add(case):
             assert bg._fast_is_exact(A, B) == (case != "tiny")
         torch.testing.assert_close(block_gemm(qx, qw), bg._accumulate(A, B, fast=False), rtol=0, atol=0,
                                    equal_nan=True)
+
+
+def test_no_host_reads_off_the_cpu():
+    """Quantizers, dequantize and the GEMM run on the `meta` device, where any read of a value on the host raises:
+    the code CUDA runs has no host synchronisation."""
+    x = torch.randn(64, 256, device="meta", dtype=torch.bfloat16)
+    for q in (MXFP8Quantizer(torch.float8_e4m3fn, with_2d_quantization=True),
+              Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=2),
+              Float8BlockQuantizer(torch.float8_e5m2, rowwise=True, columnwise=True, block_scaling_dim=1,
+                                   force_pow_2_scales=False)):
+        t = q(x)
+        q.update_quantized(x, t, noop_flag=torch.zeros(1, device="meta"))
+        assert t.dequantize().shape == x.shape
+        y = block_gemm(t, t, transpose_a=True, transpose_b=True, bias=torch.zeros(256, device="meta"))
+        assert y.shape == (256, 256) and y.device.type == "meta"
