@@ -11,6 +11,7 @@ import torch
 
 from ..constants import DType, fp8_torch_dtype
 from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, run_dequantized
+from .float8_tensor import _check as high_precision_input
 
 __all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "BlockQuantizer", "TransposedBlockOperand", "FIELDS"]
 
@@ -190,7 +191,20 @@ _HANDLERS = {
 
 
 class BlockScaledTensorMixin:
-    """torch.Tensor plumbing of MXFP8Tensor and Float8BlockwiseQTensor (mixed in before QuantizedTensor)."""
+    """torch.Tensor plumbing of MXFP8Tensor and Float8BlockwiseQTensor (mixed in before the storage class and
+    QuantizedTensor): the wrapper's own shape, device and dtype, differentiable `dequantize`."""
+
+    shape = torch.Tensor.shape
+    device = torch.Tensor.device
+    dtype = torch.Tensor.dtype
+    size = torch.Tensor.size
+    dequantize = QuantizedTensor.dequantize
+
+    def __init__(self, *args, **kwargs):  # everything happened in __new__
+        pass
+
+    def _logical_shape(self) -> torch.Size:
+        return torch.Tensor.shape.__get__(self)
 
     _flag: bool  # with_gemm_swizzled_scales (MXFP8) or _is_2D_scaled (Float8 block)
 
@@ -260,18 +274,13 @@ class BlockQuantizer(Quantizer):
 
     def _check(self, tensor: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__
-        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() \
-                or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise TypeError(f"{name}: expected a float32/bfloat16/float16 tensor, got "
-                            f"{getattr(tensor, 'dtype', type(tensor))}")
-        if isinstance(tensor, QuantizedTensor):
-            tensor = tensor.dequantize_impl(tensor.dtype)
+        tensor = high_precision_input(tensor, name)
         problem = self._shape_error(tensor)
         if problem:
             raise ValueError(f"{name}: {problem}")
         if not (self.rowwise_usage or self.columnwise_usage):
             raise ValueError(f"{name}: neither rowwise nor columnwise usage is set")
-        return tensor.detach()
+        return tensor
 
     def update_quantized(self, src: torch.Tensor, dst, *, noop_flag: Optional[torch.Tensor] = None):
         """Quantize `src` into `dst`'s fields; with `noop_flag` (float32, 1 means skip) the old bytes are kept

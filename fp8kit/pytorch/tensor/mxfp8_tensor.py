@@ -117,21 +117,6 @@ class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
         instance._with_gemm_swizzled_scales = False
         return instance
 
-    def __init__(self, *args, **kwargs):  # everything happened in __new__
-        pass
-
-    shape = torch.Tensor.shape
-    device = torch.Tensor.device
-    dtype = torch.Tensor.dtype
-    size = torch.Tensor.size
-    dequantize = QuantizedTensor.dequantize
-
-    def _logical_shape(self) -> torch.Size:
-        return torch.Tensor.shape.__get__(self)
-
-    def dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
-        return MXFP8TensorStorage.dequantize_impl(self, dtype)
-
     @classmethod
     def _make(cls, fields, fp8_dtype, dtype, flag, quantizer):
         return cls(dtype=dtype, fp8_dtype=fp8_dtype, quantizer=quantizer, **fields)
