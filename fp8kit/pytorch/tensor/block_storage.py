@@ -10,7 +10,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, run_dequantized
+from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, dispatch_through
 from .float8_tensor import _check as high_precision_input
 
 __all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "BlockQuantizer", "TransposedBlockOperand", "FIELDS"]
@@ -232,13 +232,7 @@ class BlockScaledTensorMixin:
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            out = handler(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return run_dequantized(func, args, kwargs)
+        return dispatch_through(_HANDLERS, func, args, kwargs)
 
 
 def rebuild_pickled_block_tensor(cls, state, requires_grad):
