@@ -15,6 +15,7 @@ from fp8kit.pytorch.tensor.float8_blockwise_tensor import (
     Float8BlockwiseQTensor,
     Float8BlockwiseQTensorStorage,
 )
+from fp8kit.pytorch.tensor.mxfp8_tensor import MXFP8Quantizer
 
 import reference as ref
 
@@ -168,3 +169,22 @@ def test_tensor_behaviour():
     internal.internal = True
     s = internal(x)
     assert type(s) is Float8BlockwiseQTensorStorage and s.shape == x.shape
+
+
+@pytest.mark.parametrize("make", [
+    lambda: MXFP8Quantizer(torch.float8_e4m3fn),
+    lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1),
+    lambda: Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=2),
+], ids=["mxfp8", "block1d", "block2d"])
+def test_views_keeping_the_last_dim_stay_quantized(make):
+    """As in TE: a view or reshape that keeps the last dim keeps every block, so it shares the bytes and scales;
+    any other view runs on the values."""
+    x = torch.rand(2, 64, 32, 128, generator=torch.Generator().manual_seed(4))
+    t = make()(x)
+    for v in (t.view(-1, 32, 128), t.reshape(-1, 128), t.view(2, 64, 32, 128)):
+        assert type(v) is type(t) and v._rowwise_data.data_ptr() == t._rowwise_data.data_ptr()
+        assert v._rowwise_scale_inv is t._rowwise_scale_inv and v._columnwise_scale_inv is t._columnwise_scale_inv
+        assert torch.equal(v.dequantize(), t.dequantize().reshape(v.shape))
+        assert v._columnwise_data.data_ptr() == t._columnwise_data.data_ptr()
+    other = t.view(2, -1)
+    assert type(other) is torch.Tensor and torch.equal(other, t.dequantize().view(2, -1))

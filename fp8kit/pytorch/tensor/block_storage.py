@@ -71,6 +71,11 @@ class BlockScaledStorage(QuantizedTensorStorage):
     def _logical_shape(self) -> torch.Size:
         raise NotImplementedError
 
+    @staticmethod
+    def _columnwise_shape_of(shape) -> tuple:
+        """The columnwise data's shape for a tensor of `shape`."""
+        raise NotImplementedError
+
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The values as a plain tensor of `dtype` (default: the nominal dtype)."""
         return self.dequantize_impl(self._dtype if dtype is None else dtype)
@@ -182,7 +187,34 @@ def _copy_(dst, src, non_blocking=False):
     return dst
 
 
+def _resolved(shape, numel: int) -> tuple:
+    shape = list(shape)
+    if -1 in shape:
+        known = 1
+        for n in shape:
+            known *= n if n != -1 else 1
+        shape[shape.index(-1)] = numel // known if known else 0
+    return tuple(shape)
+
+
+def _view(t, size):
+    """A view keeping the last dim stays quantized (the flattened (M, K) and so every block are unchanged): the data
+    tensors are viewed, the scales shared; any other view runs on the values."""
+    shape = _resolved(size, t.numel())
+    old = tuple(t.shape)
+    if not shape or not old or shape[-1] != old[-1]:
+        return NotImplemented
+    fields = t._fields()
+    if fields["rowwise_data"] is not None:
+        fields["rowwise_data"] = fields["rowwise_data"].view(shape)
+    if fields["columnwise_data"] is not None:
+        fields["columnwise_data"] = fields["columnwise_data"].view(t._columnwise_shape_of(shape))
+    return t._rebuild(fields)
+
+
 _HANDLERS = {
+    aten.view.default: _view,
+    aten._unsafe_view.default: _view,
     aten.detach.default: lambda t: _mapped(t, lambda v: v),
     aten.clone.default: lambda t, memory_format=None: _mapped(t, torch.clone),
     aten._to_copy.default: _to_copy,

@@ -70,6 +70,10 @@ class Float8BlockwiseQTensorStorage(BlockScaledStorage):
     def _flag(self) -> bool:
         return self._is_2D_scaled
 
+    @staticmethod
+    def _columnwise_shape_of(shape) -> tuple:
+        return _columnwise_shape(shape)
+
     def _logical_shape(self) -> torch.Size:
         if self._rowwise_data is not None:
             return self._rowwise_data.shape

@@ -59,6 +59,10 @@ class MXFP8TensorStorage(BlockScaledStorage):
     def _flag(self) -> bool:
         return self._with_gemm_swizzled_scales
 
+    @staticmethod
+    def _columnwise_shape_of(shape) -> tuple:
+        return tuple(shape)
+
     def _logical_shape(self) -> torch.Size:
         data = self._rowwise_data if self._rowwise_data is not None else self._columnwise_data
         return data.shape
