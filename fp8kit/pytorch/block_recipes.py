@@ -28,8 +28,10 @@ _FORMAT_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 class RoleQuantizer:
     """One tensor role of a module's GEMM under a block recipe: `quantize(x, transpose)` gives a block-scaled
-    storage with the rowwise layout, plus the columnwise one when the backward needs the transpose;
-    `quantize_dbias(dy)` adds the bias gradient; `observe` does nothing (block scales need no calibration)."""
+    storage with the rowwise layout, plus the columnwise one when a backward may read the transpose (`transpose`,
+    or grad enabled, or inside a backward pass): unlike per-tensor FP8, the columnwise layout cannot be made later
+    from the rowwise bytes. `quantize_dbias(dy)` adds the bias gradient; `observe` does nothing (block scales need
+    no calibration)."""
 
     __slots__ = ("quantizer", "fp8_dtype", "stats")
 
@@ -41,7 +43,8 @@ class RoleQuantizer:
 
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledStorage:
         q = self.quantizer
-        q.set_usage(rowwise=True, columnwise=bool(transpose))
+        backward = torch._C._current_graph_task_id() != -1
+        q.set_usage(rowwise=True, columnwise=bool(transpose) or torch.is_grad_enabled() or backward)
         return q.quantize_impl(x)
 
     def quantize_dbias(self, dy: torch.Tensor) -> Tuple[BlockScaledStorage, torch.Tensor]:
