@@ -7,6 +7,7 @@ subclass for users. Field names follow Transformer Engine (`_data`, `_scale_inv`
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -141,8 +142,22 @@ class Float8TensorStorage(QuantizedTensorStorage):
         read it; CPU tensors are returned as they are (the emulated GEMM reads any layout)."""
         if self._transpose is None and self._data.device.type != "cpu":
             n = self._data.shape[-1] if self._data.dim() else 1
-            self._transpose = self._data.reshape(-1, n).t().contiguous()
+            self._transpose = self._data.reshape(math.prod(self._data.shape[:-1]), n).t().contiguous()  # n may be 0
         return self
+
+    # ---- an FP8 operand saved for the backward GEMMs (fp8kit's Linear function) ----
+
+    def saved_form(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(bytes, scale tensor) to hand to `ctx.save_for_backward`: the transpose seen as a column-major view when
+        the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes; the scale
+        tensor may be None on the host path, where `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
+        return (self._transpose.t() if self._transpose is not None else self._data), self._scale_inv
+
+    @staticmethod
+    def from_saved(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
+                   scale_inv_value: Optional[float]) -> "Float8TensorStorage":
+        """An operand `saved_form` gave, back as a storage (its nominal dtype does not matter to the GEMMs)."""
+        return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
 
     # ---- autograd saving (Transformer Engine's protocol) ----
 
