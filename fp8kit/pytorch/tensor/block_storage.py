@@ -5,6 +5,7 @@ quantized through detach / clone / device moves (every other operation runs on d
 
 from __future__ import annotations
 
+import math
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -159,8 +160,28 @@ class TransposedBlockOperand:
     def __init__(self, storage: BlockScaledStorage):
         self.storage = storage
 
+    scale_inv_value = None
+
     def transposed(self) -> BlockScaledStorage:
         return self.storage
+
+    @property
+    def shape(self) -> torch.Size:
+        shape = self.storage.shape
+        k = shape[-1] if len(shape) else 1
+        return torch.Size((k, math.prod(shape) // k if k else 0) if len(shape) else ())
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.storage.dtype
+
+    @property
+    def fp8_dtype(self) -> torch.dtype:
+        return self.storage.fp8_dtype
 
     def dequantize(self, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
         """The values of the transpose (the flattened 2-D tensor, transposed)."""
