@@ -55,13 +55,17 @@ _TORCH_REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
 
 
 @contextlib.contextmanager
-def reentrant_forward() -> Iterator[None]:
-    """Mark the original forward of a reentrant checkpoint (fp8kit.pytorch.checkpoint's own)."""
-    token = _REENTRANT.set(True)
+def _set_in_scope(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _REENTRANT.reset(token)
+        var.reset(token)
+
+
+def reentrant_forward():
+    """Mark the original forward of a reentrant checkpoint (fp8kit.pytorch.checkpoint's own)."""
+    return _set_in_scope(_REENTRANT, True)
 
 
 def in_reentrant_checkpoint() -> bool:
@@ -83,15 +87,10 @@ def in_reentrant_checkpoint() -> bool:
 _REGION: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fp8kit_checkpoint_region", default=None)
 
 
-@contextlib.contextmanager
-def checkpoint_region(phase: str) -> Iterator[None]:
+def checkpoint_region(phase: str):
     """Mark a region of `fp8kit.pytorch.checkpoint`: its first forward ("forward") or its recompute during backward
     ("recompute")."""
-    token = _REGION.set(phase)
-    try:
-        yield
-    finally:
-        _REGION.reset(token)
+    return _set_in_scope(_REGION, phase)
 
 
 def is_fp8_activation_recompute_enabled() -> bool:
