@@ -12,6 +12,7 @@ import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fp8kit.jax as te  # noqa: E402
+import fp8kit.jax.flax as te_flax  # noqa: E402
 from fp8kit.jax.flax import DenseGeneral  # noqa: E402
 from fp8kit.jax.state import init_group  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Format  # noqa: E402
@@ -515,6 +516,8 @@ def test_recipe_assigned_between_steps_is_traced_again_with_its_fields():
         with pytest.raises(NotImplementedError, match=cls.__name__):
             with te.autocast(enabled=True, recipe=cls()):
                 pass
+        with pytest.raises(NotImplementedError, match=cls.__name__):
+            te_flax.make_dot_general_cls(cls())
 
 
 def test_clear_errors():
