@@ -239,6 +239,8 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
             x_hp = x.dequantize(dtype=dy.dtype)
         else:
             x_hp = x
+        if fuse and dy.dtype != torch.float32:  # into main_grad: float32 sums of the exact products, rounded once
+            return dy.t().float() @ x_hp.float()
         return (dy.t() @ x_hp).to(out_dtype)
 
     if not fuse and plan.wgrad_store is None:
@@ -248,11 +250,8 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
     def apply() -> None:
         dw = compute()
         if fuse:
-            main_grad = getattr(param, "main_grad", None)
-            if main_grad is None:
-                raise RuntimeError("fp8kit: fuse_wgrad_accumulation=True needs weight.main_grad (a float32 buffer of "
-                                   "the weight's shape) before the backward")
-            if overwrite:
+            main_grad = _main_grad(param)
+            if overwrite or getattr(param, "overwrite_main_grad", False):
                 main_grad.copy_(dw)
             else:
                 main_grad.add_(dw)
@@ -268,3 +267,16 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
         param.grad_added_to_main_grad = True
         return torch.zeros_like(param)
     return None
+
+
+def _main_grad(param: torch.Tensor) -> torch.Tensor:
+    """Where `fuse_wgrad_accumulation` puts dW, as Transformer Engine finds it: `param.get_main_grad()` for Megatron's
+    FSDP parameters (which create the buffer lazily), else `param.main_grad`."""
+    main_grad = param.get_main_grad() if hasattr(param, "__fsdp_param__") else getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("fp8kit: fuse_wgrad_accumulation=True needs weight.main_grad (a float32 buffer of the "
+                           "weight's shape) before the backward")
+    if main_grad.shape != param.shape:
+        raise RuntimeError(f"fp8kit: weight.main_grad has shape {tuple(main_grad.shape)}, the weight "
+                           f"{tuple(param.shape)}")
+    return main_grad
