@@ -35,7 +35,7 @@ import torch
 
 from . import registry
 from .distributed import DistributedRuleError, RegistrationMismatchError, group_ranks, state_label
-from .state import update_states
+from .state_block import update_states
 
 __all__ = ["reduced_update", "check_local_key", "mismatch_message", "recipe_description"]
 

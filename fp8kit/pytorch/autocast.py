@@ -146,7 +146,7 @@ def current_frame() -> Optional[Frame]:
 
 def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> None:
     """Register a module's states under the frame's key (moving them from another key if needed)."""
-    _register_states(frame.recipe, frame.group, forward, backward)
+    _register_states(frame.recipe, frame.group, forward, backward, flat=not (compiling() or frame.graph))
 
 
 def _update_step(step: _Step) -> None:

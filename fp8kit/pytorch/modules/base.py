@@ -26,6 +26,16 @@ STATE_CAPACITY = DelayedScaling.amax_history_len  # history rows allocated up fr
 _FIELDS = ("amax_history", "scale", "update_count")
 
 
+class _CallCache(dict):
+    """What a module's calls decided, kept between calls; a copy of the module starts without it."""
+
+    def __deepcopy__(self, memo):
+        return _CallCache()
+
+    def __reduce__(self):
+        return _CallCache, ()
+
+
 class FP8Call:
     """What one forward call of an FP8 module decided.
 
@@ -53,7 +63,25 @@ class FP8Call:
         return self.frame.step
 
     def quantizers(self, gemm: int = 0):
-        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module."""
+        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module: made once per (recipe, GEMM,
+        states, reduction groups) and kept by the module for its eager calls (a steady-state call makes none)."""
+        module = self.module
+        if self.replay or compiling() or getattr(module, "fp8_stats", None) is not None:
+            return self._new_quantizers(gemm)
+        states = self._states
+        groups = None if states is not None else module.current_scaling_groups(gemm)
+        cache = module.__dict__.get("_fp8_quantizers")
+        if cache is None:
+            cache = module.__dict__["_fp8_quantizers"] = _CallCache()
+        key = (self.frame.recipe, gemm, states, groups)
+        found = cache.get(key)
+        if found is None:
+            if len(cache) >= 8:
+                cache.clear()
+            found = cache[key] = self._new_quantizers(gemm)
+        return found
+
+    def _new_quantizers(self, gemm: int):
         recipe = self.frame.recipe
         fmt = recipe.fp8_format.value
         fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
@@ -303,6 +331,9 @@ def _scale_snapshot(states):
     scale = states[0].scale
     if host.active(scale.device):
         return states[0].host_views()[1].tolist()  # Python floats: the host path casts with floats
+    block = states[0]._block
+    if block is not None:  # no copy now: the block keeps its scales when an update changes them
+        return block.scales_now().of(states[0]._start)
     return scale.detach().clone()  # indexing gives the 0-d scale a tensor-path cast takes
 
 

@@ -15,6 +15,7 @@ from ..constants import DType, te_dtype
 from ..quantized_tensor import QuantizedTensorStorage
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TE_DTYPE = {dtype: te_dtype(dtype) for dtype in FP8_DTYPES}
 
 __all__ = ["Float8TensorStorage", "FP8_DTYPES", "widen"]
 
@@ -73,6 +74,14 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
         self._scale_inv_value = scale_inv_value
+
+    @classmethod
+    def trusted(cls, data: torch.Tensor, scale_inv: torch.Tensor, fake_dtype: torch.dtype) -> "Float8TensorStorage":
+        """A storage of FP8 `data` and float32 `[1]` `scale_inv` made by fp8kit's own casts (no checks)."""
+        self = cls.__new__(cls)
+        self._data, self._scale_inv, self._fp8_dtype, self._dtype = data, scale_inv, _TE_DTYPE[data.dtype], fake_dtype
+        self._transpose = self._quantizer = self._values = self._scale_inv_value = None
+        return self
 
     # ---- reading ----
 
