@@ -27,7 +27,8 @@ from . import host, kernels
 from .state import ScalingState, compute_update
 from .state import update_states as update_each
 
-__all__ = ["SlotBlock", "BlockScales", "place", "update_states", "whole_block"]
+__all__ = ["SlotBlock", "BlockScales", "place", "update_states", "whole_block", "note_ran", "flat_block",
+           "can_update_whole"]
 
 _FIRST_COLUMNS = 48  # columns of a new block (16 Linear forward states); doubled as needed
 
@@ -67,6 +68,7 @@ class SlotBlock:
         self.columns = 0
         self.members: List[tuple] = []
         self.attached = 0  # live states whose tensors view this block
+        self.version = 0  # bumped when a state joins or leaves
         self.pinned = False  # a captured graph holds the tensors' addresses
         self._owners: Optional[torch.Tensor] = None
         self._numpy = None
@@ -116,6 +118,7 @@ class SlotBlock:
             self.scale[start:start + n].copy_(state.scale)
             self.count[index].copy_(state.count.reshape(()))
         self.columns += n
+        self.version += 1
         self.members.append((weakref.ref(state, self._died), start, n))
         self.attached += 1
         self._owners = None
@@ -129,6 +132,7 @@ class SlotBlock:
                 if index not in self._left:
                     self._left.add(index)
                     self.attached -= 1
+                    self.version += 1
                 return
 
     def detach(self, state: ScalingState) -> None:
@@ -144,6 +148,7 @@ class SlotBlock:
             if ref() is state and index not in self._left:
                 self._left.add(index)
                 self.attached -= 1
+                self.version += 1
 
     # ---- recompute records ----
 
@@ -209,6 +214,34 @@ class SlotBlock:
         counts += takes_part
 
 
+def note_ran(flat: dict, name, state: ScalingState) -> None:
+    """Count, in `flat[name]` ([block, its version, states counted]), a state that ran in a step for the first time;
+    `flat_block` then says in O(1) whether the states that ran are exactly a block's."""
+    block = state._block
+    entry = flat.get(name)
+    if entry is None:
+        flat[name] = [block, block.version if block is not None else 0, 1]
+    elif entry[0] is block and block is not None:
+        entry[2] += 1
+    else:
+        entry[0] = None
+
+
+def flat_block(flat: dict, name, ran: int) -> Optional[SlotBlock]:
+    """The block whose attached states are exactly the `ran` states counted under `name`, or None."""
+    entry = flat.get(name)
+    if entry is None or entry[0] is None:
+        return None
+    block, version, count = entry
+    return block if version == block.version and count == ran == block.attached else None
+
+
+def can_update_whole(block: SlotBlock, recipe) -> bool:
+    """Whether `block.update` applies (else the general path of `state.update_states`)."""
+    return not recipe.uses_callables and not torch.compiler.is_compiling() and not (
+        recipe.interval == 1 and kernels.enabled() and kernels.available(block.device))
+
+
 def whole_block(states: Sequence[ScalingState]) -> Optional[SlotBlock]:
     """The block whose attached states are exactly `states` (distinct), or None."""
     if not states:
@@ -225,8 +258,7 @@ def whole_block(states: Sequence[ScalingState]) -> Optional[SlotBlock]:
 def update_states(states: List[ScalingState], recipe, fp8_max: float) -> None:
     """`state.update_states`, as whole-buffer operations when `states` are the attached states of one block."""
     block = whole_block(states)
-    if block is not None and not recipe.uses_callables and not torch.compiler.is_compiling() and not (
-            recipe.interval == 1 and kernels.enabled() and kernels.available(block.device)):
+    if block is not None and can_update_whole(block, recipe):
         block.update(recipe, fp8_max)
         return
     if not torch.compiler.is_compiling():
