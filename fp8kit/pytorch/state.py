@@ -346,7 +346,13 @@ def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: f
         host.update_states(states, recipe, fp8_max)
     elif not recipe.uses_callables and recipe.interval == 1 and kernels.enabled() and kernels.available(device):
         used = torch.stack([(s.amax_history[0] != 0).any() for s in states])  # before the kernel rolls row 0
-        kernels.update_tensors([s.amax_history for s in states], [s.scale for s in states], recipe, fp8_max)
+        # the kernel takes contiguous histories: views of a flat buffer (state_block) go through a copy
+        histories = [s.amax_history for s in states]
+        work = [h if h.is_contiguous() else h.contiguous() for h in histories]
+        kernels.update_tensors(work, [s.scale for s in states], recipe, fp8_max)
+        for h, w in zip(histories, work):
+            if w is not h:
+                h.copy_(w)
         torch._foreach_add_([s.count for s in states], list(used.long().unbind()))
     else:
         _update_with_tensors(states, recipe, fp8_max)

@@ -190,6 +190,11 @@ class SlotBlock:
         owners = self.owners()
         used = (history[0] != 0).to(torch.int64)
         takes_part = torch.zeros_like(counts).index_add_(0, owners, used) > 0
+        if recipe.interval == 1 and kernels.enabled() and kernels.available(self.device):
+            # one launch over the whole buffer: unused columns hold 0 staging values, which the rule leaves alone
+            kernels.update_tensors([self.history], [self.scale], recipe, fp8_max)
+            counts.add_(takes_part)
+            return
         recompute = (counts % recipe.interval == 0)[owners] if recipe.interval > 1 else None
         new_history, new_scale = compute_update(history, scale, recipe, fp8_max, recompute)
         history.copy_(new_history)
@@ -237,9 +242,9 @@ def flat_block(flat: dict, name, ran: int) -> Optional[SlotBlock]:
 
 
 def can_update_whole(block: SlotBlock, recipe) -> bool:
-    """Whether `block.update` applies (else the general path of `state.update_states`)."""
-    return not recipe.uses_callables and not torch.compiler.is_compiling() and not (
-        recipe.interval == 1 and kernels.enabled() and kernels.available(block.device))
+    """Whether `block.update` applies (else the general path of `state.update_states`). With the Triton kernels on,
+    a whole block is still updated by its few torch operations (the update kernel takes contiguous histories)."""
+    return not recipe.uses_callables and not torch.compiler.is_compiling()
 
 
 def whole_block(states: Sequence[ScalingState]) -> Optional[SlotBlock]:
