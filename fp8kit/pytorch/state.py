@@ -144,6 +144,9 @@ class ScalingState:
     # ---- copies: an independent, unregistered state with the same numbers ----
 
     def __getstate__(self):
+        if self._block is not None:  # views of a flat buffer: copy this state's part only
+            return {"amax_history": self.amax_history.clone(), "scale": self._scale.clone(),
+                    "count": self._count.clone()}
         return {"amax_history": self.amax_history, "scale": self._scale, "count": self._count}
 
     def __setstate__(self, state) -> None:

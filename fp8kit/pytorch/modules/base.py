@@ -282,6 +282,12 @@ class FP8StateMixin:
             if state is None:
                 continue
             base = f"{prefix}fp8_meta.{name}."
+            if state._block is not None:  # views of a flat buffer (state_block): tensors of their own, as savers
+                # (safetensors, Hugging Face) expect; load_state_dict copies into the state either way
+                destination[base + "amax_history"] = state.amax_history.clone()
+                destination[base + "scale"] = state.scale.clone()
+                destination[base + "update_count"] = state.count.clone()
+                continue
             destination[base + "amax_history"] = state.amax_history
             destination[base + "scale"] = state.scale
             destination[base + "update_count"] = state.count if keep_vars else state.count.detach()
