@@ -140,3 +140,40 @@ def test_lean_current_scale_matches_the_rule():
                     assert got.shape == (1,) and got.view(torch.int32).item() == want.view(torch.int32).item(), \
                         (a, eps, power_2, fp8_max, got.item(), want.item())
                     assert SCALE_MIN <= got.item() <= FLT_MAX
+
+
+def _run_steps(layers, recipe, steps=3):
+    g = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        x = torch.randn(16, 16, generator=g, requires_grad=True)
+        with te.autocast(recipe=recipe):
+            ys = [layer(x) for layer in layers]
+        torch.stack([y.sum() for y in ys]).sum().backward()
+
+
+def test_flat_buffer_drops_the_columns_of_deleted_modules():
+    """Modules deleted from a key's flat buffer stop costing update work (their columns are compacted away), and
+    the modules left update exactly as the same modules in a buffer of their own."""
+    import copy
+    import gc
+
+    recipe = DelayedScaling(amax_history_len=8)
+    torch.manual_seed(1)
+    fresh = [te.Linear(16, 16) for _ in range(10)]
+    twins = copy.deepcopy(fresh)
+    with host.tensor_path():
+        crowd = [te.Linear(16, 16) for _ in range(100)]
+        _run_steps(crowd, recipe, 1)
+        del crowd
+        gc.collect()
+        _run_steps(fresh, recipe)  # among 300 dead columns, compacted at the first update
+        block = fresh[0].fp8_meta["scaling_fwd"]._block
+        assert block is not None and block.columns == 30 and block.attached == 10
+        want = [(m.fp8_meta[n].amax_history.clone(), m.fp8_meta[n].scale.clone()) for m in fresh
+                for n in ("scaling_fwd", "scaling_bwd")]
+        del fresh, block
+        gc.collect()
+        _run_steps(twins, recipe)
+    got = [(m.fp8_meta[n].amax_history, m.fp8_meta[n].scale) for m in twins for n in ("scaling_fwd", "scaling_bwd")]
+    for (h1, s1), (h2, s2) in zip(want, got):
+        assert torch.equal(h1, h2) and torch.equal(s1, s2)

@@ -95,6 +95,36 @@ class SlotBlock:
             if state is not None and state._block is self:
                 self._point(state, index, start, n)
 
+    def _compact(self) -> None:
+        """Drop the columns of states that died or left (kept until now: nothing else moves the live ones), in one
+        gather per tensor; the live states' tensors become views of the new buffers."""
+        live = []
+        for index, (ref, start, n) in enumerate(self.members):
+            state = ref()
+            if index not in self._left and state is not None and state._block is self:
+                live.append((state, index, start, n))
+        self.freeze_snapshot()
+        columns = [c for _, _, start, n in live for c in range(start, start + n)]
+        with torch.inference_mode(False), torch.no_grad():
+            cols = torch.tensor(columns, dtype=torch.int64, device=self.device)
+            rows = torch.tensor([index for _, index, _, _ in live], dtype=torch.int64, device=self.device)
+            history, scale, count = self.history[:, cols], self.scale[cols], self.count[rows]
+        self.members, self._left, self.columns, self._owners = [], set(), 0, None
+        self.history = self.scale = self.count = None
+        self._allocate(max(_FIRST_COLUMNS, 2 * len(columns)), max(16, 2 * len(live)))
+        with torch.inference_mode(False), torch.no_grad():
+            self.history[:, :len(columns)].copy_(history)
+            self.scale[:len(columns)].copy_(scale)
+            self.count[:len(live)].copy_(count)
+        for state, _, _, n in live:
+            self._point(state, len(self.members), self.columns, n)
+            self.members.append((weakref.ref(state, self._died), self.columns, n))
+            self.columns += n
+        self.attached = len(live)
+
+    def _dead_columns(self) -> int:
+        return sum(self.members[i][2] for i in self._left)
+
     def _point(self, state: ScalingState, index: int, start: int, n: int) -> None:
         state._buffer, state._len = self.history[:, start:start + n], self.length
         state._scale, state._count = self.scale[start:start + n], self.count[index]
@@ -111,7 +141,10 @@ class SlotBlock:
         if full:
             if self.pinned:
                 return False
-            self._allocate(max(2 * self.scale.shape[0], self.columns + n), 2 * self.count.shape[0])
+            if 2 * self._dead_columns() >= self.columns:
+                self._compact()
+            if self.columns + n > self.scale.shape[0] or len(self.members) >= self.count.shape[0]:
+                self._allocate(max(2 * self.scale.shape[0], self.columns + n), 2 * self.count.shape[0])
         start, index = self.columns, len(self.members)
         with torch.inference_mode(False), torch.no_grad():
             self.history[:, start:start + n].copy_(state.amax_history)
@@ -178,6 +211,8 @@ class SlotBlock:
 
     def update(self, recipe, fp8_max: float) -> None:
         """The batched update of every column (recipes without callables); unused columns stay unchanged."""
+        if self._left and not self.pinned and self._dead_columns() > self.columns // 2:
+            self._compact()  # most columns belong to states that are gone: stop updating them
         self.freeze_snapshot()
         if host.active(self.device):
             self._update_host(recipe, fp8_max)

@@ -201,6 +201,9 @@ class FP8StateMixin:
                 note_compiled_call(frame, states, counted)
         if frame.graph and not compiling():
             frame.step.graph_calls.append((self, counted))
+            for state in states or ():
+                if state._block is not None:  # a captured graph holds the addresses: the buffer never moves again
+                    state._block.pinned = True
         if getattr(self, "fp8_stats", None) is not None:
             raise NotImplementedError(
                 f"fp8kit: {type(self).__name__} has numerics statistics on (enable_stats), which count casts in "
