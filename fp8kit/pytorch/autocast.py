@@ -23,7 +23,7 @@ from typing import Dict, Iterator, Optional
 import torch
 
 from ..recipe import DelayedScaling, Recipe
-from . import registry
+from . import kernels, registry
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
 from .frames import STACK, current_frame
 from .recipe_families import registered_recipes
@@ -31,6 +31,7 @@ from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .registry import register as _register_states
 from .registry import registry_states
 from .state import ScalingState
+from .state_block import flat_block, note_ran
 
 __all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states", "register", "has_pending_backward",
            "run_pending_backward", "Frame", "entry_recipe"]
@@ -54,6 +55,7 @@ class _Step:
         # the calls of a step traced by torch.compile (no per-step Python state at run time); None when eager
         self.traced: Optional[TracedCalls] = TracedCalls() if compiling() else None
         self.graph_calls: list = []  # (module, needs_backward) of the calls made under a graph-capture frame
+        self.flat: dict = {}  # (key, pass) -> which flat buffer the states that ran belong to (state_block.note_ran)
 
     def forward_called(self, key, needs_backward: bool, states=None) -> None:
         """A module call recording amaxes under `key`; `states`: its (forward, backward) ScalingStates."""
@@ -62,6 +64,7 @@ class _Step:
             ran = self.forward_keys[key] = {}
         if states is not None and id(states[0]) not in ran:
             ran[id(states[0])] = weakref.ref(states[0])
+            note_ran(self.flat, (key, "forward"), states[0])
         if needs_backward:
             self.pending_backward += 1
             backward = self.backward_keys.get(key)
@@ -69,6 +72,7 @@ class _Step:
                 backward = self.backward_keys[key] = {}
             if states is not None and id(states[1]) not in backward:
                 backward[id(states[1])] = weakref.ref(states[1])
+                note_ran(self.flat, (key, "backward"), states[1])
 
     def backward_done(self) -> None:
         # One backward runs at a time per step (autograd runs a CPU graph and a single-device graph on one thread);
@@ -78,8 +82,10 @@ class _Step:
         self.pending_backward -= 1
         run = self.pending_backward == 0
         keys = dict(self.backward_keys)
+        flat = self.flat
         if run:
             self.backward_keys = {}
+            self.flat = {name: entry for name, entry in flat.items() if name[1] == "forward"}
         if run:
             self.backward_finished = True
             release_step(self)  # no recompute of this step is left to come
@@ -87,7 +93,8 @@ class _Step:
                 if registry.reduces(key):  # collective: deferred to the next outermost entry
                     registry.entry(key).backward_ran = True
                 else:
-                    registry.update_key(key, "backward", _alive(states))
+                    block = flat_block(flat, (key, "backward"), len(states))
+                    registry.update_key(key, "backward", None if block is not None else _alive(states), block)
 
     def abort(self) -> None:
         """An exception left the outermost autocast: clear the forward staging amaxes of the keys this step used
@@ -131,7 +138,7 @@ _STACK = STACK  # the thread's autocast stack (fp8kit.pytorch.frames)
 
 def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> None:
     """Register a module's states under the frame's key (moving them from another key if needed)."""
-    _register_states(frame.recipe, frame.group, forward, backward)
+    _register_states(frame.recipe, frame.group, forward, backward, flat=not (compiling() or frame.graph))
 
 
 def _update_step(step: _Step) -> None:
@@ -139,7 +146,11 @@ def _update_step(step: _Step) -> None:
     reduced = [key for key in step.entered if registry.reduces(key)]
     for key, states in step.forward_keys.items():
         if key not in reduced:
-            registry.update_key(key, "forward", _alive(states) + (flagged_forward(key) if PENDING.any else []))
+            block = None if PENDING.any else flat_block(step.flat, (key, "forward"), len(states))
+            if block is not None:
+                registry.update_key(key, "forward", block=block)
+            else:
+                registry.update_key(key, "forward", _alive(states) + (flagged_forward(key) if PENDING.any else []))
     if PENDING.any:  # keys only compiled calls used
         for key in step.entered:
             if key not in reduced and key not in step.forward_keys:
@@ -251,6 +262,8 @@ def autocast(
         yield from _traced_autocast(stack, Frame(enabled, calibrating, recipe, amax_reduction_group,
                                                  stack[0].step if stack else _Step()))
         return
+    if not stack:
+        kernels.refresh()  # whether the casts of this step use the Triton kernels (FP8KIT_TRITON read here)
     if not stack and (_PENDING_BACKWARD or PENDING.any) and torch.is_grad_enabled():
         run_pending_backward()
     step = stack[0].step if stack else _Step()
