@@ -1,5 +1,6 @@
 """What a `CustomRecipe` quantizer factory receives and may return (Transformer Engine's
-`transformer_engine.pytorch.quantization`): `QuantizerRole`, `QuantizerRequest`, `DelayedScalingRequest`.
+`transformer_engine.pytorch.quantization`): `QuantizerRole`, `QuantizerRequest`, `DelayedScalingRequest`; and, from
+the same TE module, `FP8GlobalStateManager` (fp8kit.pytorch.global_state) and `get_align_size_for_quantization`.
 
 The classes only, with Transformer Engine's fields, defaults and text; autocast does not run a CustomRecipe yet
 (NotImplementedError naming it)."""
@@ -9,9 +10,26 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Union
 
-from ..recipe import DelayedScaling, Format
+from ..recipe import DelayedScaling, Format, Recipe
+from .global_state import FP8GlobalStateManager
 
-__all__ = ["QuantizerRole", "QuantizerRequest", "DelayedScalingRequest"]
+__all__ = ["QuantizerRole", "QuantizerRequest", "DelayedScalingRequest", "FP8GlobalStateManager",
+           "get_align_size_for_quantization"]
+
+
+def get_align_size_for_quantization(recipe: Recipe) -> int:
+    """The row multiple that grouped quantized operations pad each split to under `recipe`, as Transformer Engine
+    pads them: a CustomRecipe's `quantization_alignment`, 32 for MXFP8 (its scaling block), 128 for NVFP4, and 16
+    for the per-tensor and 2D block recipes (the FP8 GEMM's alignment)."""
+    if not isinstance(recipe, Recipe):
+        raise TypeError(f"get_align_size_for_quantization: recipe must be a Recipe, got {type(recipe).__name__}")
+    if recipe.custom():
+        return recipe.quantization_alignment
+    if recipe.mxfp8():
+        return 32
+    if recipe.nvfp4():
+        return 128
+    return 16
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,11 +3,11 @@ activation.py, splits.py; linear_base.py holds the one GEMM call path)."""
 
 from .fp8_padding import Fp8Padding
 from .fp8_unpadding import Fp8Unpadding
-from .grouped_linear import GroupedLinear
+from .grouped_linear import GroupedLinear, is_module_grouped_tensor_path_supported
 from .layernorm_linear import LayerNormLinear
 from .layernorm_mlp import LayerNormMLP
 from .linear import Linear
 from .norm import LayerNorm, RMSNorm
 
 __all__ = ["Linear", "LayerNorm", "RMSNorm", "LayerNormLinear", "LayerNormMLP", "GroupedLinear", "Fp8Padding",
-           "Fp8Unpadding"]
+           "Fp8Unpadding", "is_module_grouped_tensor_path_supported"]

@@ -251,6 +251,8 @@ class FP8StateMixin:
                     ".to() before compiling, or run one step eagerly first")
             if state.history_len != length:
                 state.resize_(length)
+                if name == "scaling_fwd":
+                    self._warn_weight_quantizers_updated(state)
             if state.scale.device != device:
                 state.to_(device)
         meta["recipe"] = frame.recipe
@@ -259,6 +261,15 @@ class FP8StateMixin:
         if label is not None:  # names the module in registration-mismatch messages
             label_states(label, meta["scaling_fwd"], meta["scaling_bwd"])
         return meta["scaling_fwd"], meta["scaling_bwd"]
+
+    def _warn_weight_quantizers_updated(self, state: ScalingState) -> None:
+        """Warn, as Transformer Engine does when it gives FP8 weights new quantizers, that the FP8 weight parameters
+        (quantized_model_init) scaled by `state` now follow a history of another length."""
+        for param in self.parameters(recurse=False):
+            if getattr(getattr(param, "_quantizer", None), "state", None) is state:
+                warnings.warn("Quantizer is being updated, this may affect model behavior (the amax history of the "
+                              f"FP8 weights of {type(self).__name__} now has {state.history_len} rows)",
+                              UserWarning, stacklevel=4)
 
     # ---- checkpoints: plain tensors under `<prefix>fp8_meta.<pass>.<field>` ----------------------------------
 

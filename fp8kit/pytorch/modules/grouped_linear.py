@@ -11,7 +11,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
-from ...recipe import DelayedScaling
+from ...recipe import DelayedScaling, Recipe
 from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
 from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8StateMixin
@@ -27,7 +27,18 @@ from .setup import (
 )
 from .splits import check_splits
 
-__all__ = ["GroupedLinear"]
+__all__ = ["GroupedLinear", "is_module_grouped_tensor_path_supported"]
+
+
+def is_module_grouped_tensor_path_supported(recipe: Optional[Recipe], dtype: torch.dtype) -> bool:
+    """Whether GroupedLinear can run Transformer Engine's packed grouped-tensor path (`use_grouped_tensor=True`,
+    single grouped parameters) for `recipe` and `dtype`. Always False in fp8kit, which has no such path (the
+    constructor refuses those options); GroupedLinear always runs one GEMM per split."""
+    if recipe is not None and not isinstance(recipe, Recipe):
+        raise TypeError(f"recipe must be a Recipe or None, got {type(recipe).__name__}")
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+    return False
 
 _KIND = "GroupedLinear"
 
