@@ -155,3 +155,25 @@ def test_preserve_high_precision_init_val_and_errors():
     with pytest.raises(TypeError, match="FP8 weight holds"):
         with te.autocast(recipe=DelayedScaling()):
             e5(torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("move", ["cpu", "float", "to_empty"])
+def test_attributes_of_fp8_weights_survive_module_moves(move):
+    # nn.Module._apply swaps tensor-subclass parameters with torch.utils.swap_tensors, which also swaps __dict__
+    torch.manual_seed(6)
+    with te.quantized_model_init(preserve_high_precision_init_val=True):
+        m = te.LayerNormMLP(16, 32)
+    torch.manual_seed(6)
+    plain = te.LayerNormMLP(16, 32)
+    m.fc1_weight.tag = "mine"
+    m = {"cpu": m.cpu, "float": m.float, "to_empty": lambda: m.to_empty(device="cpu")}[move]()
+    for name in ("fc1_weight", "fc2_weight"):
+        w = getattr(m, name)
+        assert isinstance(w, te.Float8Tensor)
+        # the init value is what plain initialisation drew (independent of the FP8 weight's bytes)
+        assert torch.equal(w.get_high_precision_init_val(), getattr(plain, name).detach())
+        assert w._high_precision_init_val.device.type == "cpu"
+    assert m.fc1_weight.tag == "mine"
+    m.fc1_weight.clear_high_precision_init_val()
+    assert m.fc1_weight.get_high_precision_init_val() is None and not hasattr(m.fc1_weight, "_high_precision_init_val")
+    assert m.fc2_weight.get_high_precision_init_val() is not None  # each weight's accessors read their own value

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from typing import Iterator, List, Optional, Tuple
 
 import torch
 
@@ -120,17 +121,40 @@ def quantize_weight_parameter(module, name: str, gemm: int, settings: _Settings)
     setattr(module, name, new)
 
 
+def _get_high_precision_init_val(param) -> Optional[torch.Tensor]:
+    return getattr(param, "_high_precision_init_val", None)
+
+
+def _clear_high_precision_init_val(param) -> None:
+    param.__dict__.pop("_high_precision_init_val", None)
+
+
 def _keep_init_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    holder = {"value": value}
+    """Attach Transformer Engine's `_high_precision_init_val` (on the CPU) and its two accessors to `param`, as
+    methods bound to the parameter object (no weak reference: `torch.utils.swap_tensors` refuses tensors that have
+    one), so that they see what `clear_high_precision_init_val` did, also after `module.to()` re-attached them
+    (`reattach_param_attributes`)."""
+    param._high_precision_init_val = value
+    param.get_high_precision_init_val = types.MethodType(_get_high_precision_init_val, param)
+    param.clear_high_precision_init_val = types.MethodType(_clear_high_precision_init_val, param)
 
-    def get_high_precision_init_val() -> Optional[torch.Tensor]:
-        return holder["value"]
 
-    def clear_high_precision_init_val() -> None:
-        holder["value"] = None
+def param_attributes(module: torch.nn.Module) -> List[Tuple[torch.Tensor, dict]]:
+    """The Python attributes of each of `module`'s own parameters that are tensor subclasses (FP8 weights), taken
+    before `nn.Module._apply` moves them: `_apply` moves such parameters with `torch.utils.swap_tensors`, which
+    leaves the parameter object with the new tensor's `__dict__`, so attributes attached from outside (the
+    high-precision init value, user tags) would be lost."""
+    return [(p, dict(p.__dict__)) for p in module.parameters(recurse=False) if type(p.data) is not torch.Tensor]
 
-    param.get_high_precision_init_val = get_high_precision_init_val
-    param.clear_high_precision_init_val = clear_high_precision_init_val
+
+def reattach_param_attributes(saved: List[Tuple[torch.Tensor, dict]]) -> None:
+    """Put back on each parameter the attributes `param_attributes` saw that its new `__dict__` lacks (the new
+    tensor's own fields are kept)."""
+    for param, attrs in saved:
+        current = param.__dict__
+        for key, value in attrs.items():
+            if key not in current:
+                current[key] = value
 
 
 def is_fp8_parameter(t) -> bool:
