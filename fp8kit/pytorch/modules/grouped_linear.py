@@ -24,6 +24,7 @@ from .setup import (
     high_precision_gemm_plan,
     init_parameter,
     keep_cached_weight,
+    returned_bias,
 )
 from .splits import check_splits
 
@@ -205,7 +206,7 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
             for i, plan in enumerate(plans):
                 keep_cached_weight(self, i, plan, is_first_microbatch, call)
         out = torch.cat(outs).reshape(*inp.shape[:-1], self.out_features)
-        return (out, biases) if self.return_bias else out
+        return (out, returned_bias(biases, inp)) if self.return_bias else out
 
     # ---- delayed weight gradients ----
 

@@ -12,6 +12,7 @@ import torch
 from ..distributed import gather_with_grad
 from .linear_base import LinearBase
 from .norm import check_eps, check_normalization, normalize
+from .setup import returned_bias
 
 __all__ = ["LayerNormLinear"]
 
@@ -119,7 +120,7 @@ class LayerNormLinear(LinearBase, torch.nn.Module):
         out = self.linear_forward(ln_out, is_first_microbatch, fp8_output, fp8_grad)
         results = [out]
         if self.return_bias:
-            results.append(self.full_bias())
+            results.append(returned_bias(self.full_bias(), inp))
         if self.return_layernorm_output:
             tp = self.tensor_parallel
             if self.return_layernorm_output_gathered and tp is not None and tp.gathers_input:

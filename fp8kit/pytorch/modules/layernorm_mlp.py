@@ -36,6 +36,7 @@ from .setup import (
     init_parameter,
     keep_cached_weight,
     resolve_tensor_parallel,
+    returned_bias,
 )
 
 __all__ = ["LayerNormMLP"]
@@ -275,7 +276,7 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
                 keep_cached_weight(self, gemm, plan, is_first_microbatch, call)
         results = [out]
         if self.return_bias:
-            results.append(b2)
+            results.append(returned_bias(b2, inp))
         if self.return_layernorm_output:
             if self.return_layernorm_output_gathered and tp1 is not None and tp1.sequence_parallel:
                 ln_out = gather_with_grad(ln_out, tp1.group)

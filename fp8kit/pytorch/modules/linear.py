@@ -9,6 +9,7 @@ from typing import Callable, Dict, Optional, Sequence, Union
 import torch
 
 from .linear_base import LinearBase
+from .setup import returned_bias
 
 __all__ = ["Linear"]
 
@@ -106,7 +107,7 @@ class Linear(LinearBase, torch.nn.Linear):
         fp8_output, fp8_grad: Transformer Engine's FP8 outputs for FP8 attention, which fp8kit does not implement.
         """
         y = self.linear_forward(inp, is_first_microbatch, fp8_output, fp8_grad)
-        return (y, self.full_bias()) if self.return_bias else y
+        return (y, returned_bias(self.full_bias(), inp)) if self.return_bias else y
 
     def extra_repr(self) -> str:
         extra = f", parallel_mode={self.parallel_mode}, tp_size={self.tp_size}, " \

@@ -63,6 +63,18 @@ def resolve_tensor_parallel(parallel_mode: Optional[str], tp_group, tp_size: int
     return tp, (tp.size if tp is not None else 1)
 
 
+def returned_bias(bias, inp: torch.Tensor):
+    """A bias that a module returns instead of adding (`return_bias=True`), in the activation dtype as Transformer
+    Engine returns it: torch.autocast's dtype inside torch.autocast, else the input's dtype (a list: each)."""
+    if bias is None:
+        return None
+    device_type = inp.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else inp.dtype
+    if isinstance(bias, (list, tuple)):
+        return [None if b is None else b.to(dtype) for b in bias]
+    return bias.to(dtype)
+
+
 def default_init_method() -> Callable[[torch.Tensor], torch.Tensor]:
     """Transformer Engine's default weight initialisation: normal, mean 0, std 0.023."""
     return lambda t: torch.nn.init.normal_(t, mean=0.0, std=0.023)
