@@ -186,10 +186,30 @@ def test_fp8kit_gemm_layout_is_tn():
     assert utils.is_non_tn_fp8_gemm_supported() is False
 
 
-def test_no_grouped_tensor_path():
+def test_no_grouped_tensor_path_so_use_grouped_tensor_falls_back():
     assert is_module_grouped_tensor_path_supported(Float8CurrentScaling(), torch.bfloat16) is False
-    with pytest.raises(NotImplementedError, match="use_grouped_tensor"):
-        te.GroupedLinear(2, 16, 16, use_grouped_tensor=True)
+    torch.manual_seed(1)
+    asked = te.GroupedLinear(2, 16, 8, use_grouped_tensor=True)
+    x = torch.randn(12, 16)
+    # the fallback: each split through its own weight, as separate matmuls in float64 compute it
+    expected = torch.cat([x[:5].double() @ asked.weight0.double().T + asked.bias0.double(),
+                          x[5:].double() @ asked.weight1.double().T + asked.bias1.double()])
+    torch.testing.assert_close(asked(x, [5, 7]).double(), expected, rtol=1e-6, atol=1e-6)
+    with pytest.raises(TypeError, match="use_grouped_tensor"):
+        te.GroupedLinear(2, 16, 8, use_grouped_tensor=1)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_delayed_wgrad_refuses_the_implicit_fallback_with_a_bias(bias):
+    layer = te.GroupedLinear(2, 16, 8, bias=bias, delay_wgrad_compute=True, use_grouped_tensor=True)
+    layer(torch.randn(8, 16, requires_grad=True), [4, 4]).sum().backward()
+    if bias:
+        with pytest.raises(RuntimeError, match="implicit fallback is unsupported with delay_wgrad_compute=True"):
+            layer.backward_dw()
+        assert layer.weight0.grad is None  # nothing computed
+    else:
+        layer.backward_dw()
+        assert layer.weight0.grad is not None and layer.weight1.grad is not None
 
 
 # ---- the weight-quantizer warning of a recipe change ------------------------------------------------------------

@@ -55,8 +55,11 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
     As in Transformer Engine, the module runs no tensor-parallel collective (the MoE dispatch and combine do):
     `parallel_mode` ("column" / "row") with `tp_size` (or `tp_group`'s size) only sets the local weight shapes, a
     bias is refused with more than one rank, and current scaling is refused with more than one rank (its amaxes
-    would not be reduced). `single_grouped_weight` / `single_grouped_bias` / `use_grouped_tensor=True` (Transformer
-    Engine's experimental packed parameters) and Userbuffers overlap are refused.
+    would not be reduced). `single_grouped_weight` / `single_grouped_bias` (Transformer Engine's experimental packed
+    parameters) and Userbuffers overlap are refused. `use_grouped_tensor=True` asks for Transformer Engine's native
+    grouped-tensor GEMM path, which fp8kit does not have: as Transformer Engine does where that path is unsupported,
+    the module falls back to one GEMM per split (`is_module_grouped_tensor_path_supported` answers False), and with
+    `delay_wgrad_compute=True` and a bias `backward_dw` refuses that implicit fallback (RuntimeError).
 
     forward(inp, m_splits, is_first_microbatch=None): `inp` `[..., in_features]` seen as `[rows, in_features]`;
     `m_splits` (`num_gemms` ints >= 0 summing to the rows) gives each GEMM its consecutive rows. Returns
@@ -100,8 +103,11 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
         if ub_overlap_rs or ub_overlap_ag:
             raise ValueError(f"{_KIND}: Userbuffers overlap (ub_overlap_rs / ub_overlap_ag) is not supported, as in "
                              "Transformer Engine")
+        if use_grouped_tensor is not None and not isinstance(use_grouped_tensor, bool):
+            raise TypeError(f"{_KIND}: use_grouped_tensor must be a bool or None, got {use_grouped_tensor!r}")
+        self.use_grouped_tensor = bool(use_grouped_tensor)
         for arg, value in (("single_grouped_weight", single_grouped_weight),
-                           ("single_grouped_bias", single_grouped_bias), ("use_grouped_tensor", use_grouped_tensor)):
+                           ("single_grouped_bias", single_grouped_bias)):
             if value:
                 raise NotImplementedError(f"{_KIND}({arg}=True): Transformer Engine's experimental packed grouped "
                                           "parameters are not implemented in fp8kit; use one parameter per GEMM")
@@ -219,6 +225,11 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
         GEMM, into `.grad` (accumulated) or `main_grad` with `fuse_wgrad_accumulation`."""
         if self.wgrad_stores is None:
             return
+        if self.use_grouped_tensor and self.use_bias and any(len(store) for store in self.wgrad_stores):
+            raise RuntimeError(f"{_KIND}(use_grouped_tensor=True) ran the per-split GEMM path (fp8kit has no native "
+                               "grouped-tensor path), whose bias gradients come with the delayed weight gradients: "
+                               "this implicit fallback is unsupported with delay_wgrad_compute=True. Set "
+                               "use_grouped_tensor=False to select the per-split path explicitly")
         for store in self.wgrad_stores:
             compute = store.pop()
             if compute is not None:
