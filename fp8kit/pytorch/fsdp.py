@@ -55,7 +55,7 @@ def pre_all_gather(shard: Float8Tensor, mesh, orig_size: torch.Size) -> Tuple[Tu
         buf = torch.zeros(padded, dtype=torch.uint8, device=data.device)
         buf[:data.shape[0]].copy_(data)
         data = buf
-    return (data,), (shard.scale_inv.detach().clone(), shard._data.dtype)
+    return (data,), (shard.scale_inv.detach().clone(), shard._fp8_dtype)
 
 
 def post_all_gather(shard: Float8Tensor, outputs: Tuple[torch.Tensor, ...], metadata: tuple, param_dtype: torch.dtype,
@@ -64,15 +64,16 @@ def post_all_gather(shard: Float8Tensor, outputs: Tuple[torch.Tensor, ...], meta
     `as_strided`), or, after the first gather, `out` pointed at the new bytes and scale."""
     (gathered,) = outputs
     scale_inv, fp8_dtype = metadata
-    data = gathered.view(fp8_dtype)
+    data = gathered
     if out is not None:
         out._data = data if data.shape[0] == out.shape[0] else data.narrow(0, 0, out.shape[0])
-        out._scale_inv = scale_inv
+        out._scale_inv, out._fp8_dtype = scale_inv, fp8_dtype
         out._scale_inv_value = None
-        out._transpose = None
+        out._transpose, out._transpose_invalid = None, True
         out._values = None
         return None
-    full = Float8Tensor(dtype=param_dtype, data=data, fp8_scale_inv=scale_inv, quantizer=shard._quantizer)
+    full = Float8Tensor(dtype=param_dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=fp8_dtype,
+                        quantizer=shard._quantizer)
     return full, (gathered,)
 
 

@@ -107,7 +107,8 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 def _backward_layout(q: Float8TensorStorage) -> torch.Tensor:
     """The bytes to save of an FP8 operand: its transpose seen as a column-major view when the cast wrote one (what
     the dgrad / wgrad GEMM reads without a copy), else its row-major data."""
-    return q._transpose.t() if q._transpose is not None else q._data
+    t = q.transpose_view()
+    return t.t() if t is not None else q.fp8_view()
 
 
 def _stored(data, inv, inv_value) -> Float8TensorStorage:
