@@ -32,6 +32,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import cast as casts
+from .constants import DType
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
 __all__ = ["pre_all_gather", "post_all_gather", "ShardAmaxQuantizer"]
@@ -64,6 +65,7 @@ def post_all_gather(shard: Float8Tensor, outputs: Tuple[torch.Tensor, ...], meta
     `as_strided`), or, after the first gather, `out` pointed at the new bytes and scale."""
     (gathered,) = outputs
     scale_inv, fp8_dtype = metadata
+    fp8_dtype = DType.cast(fp8_dtype)  # a DType (or a torch float8 dtype)
     data = gathered
     if out is not None:
         out._data = data if data.shape[0] == out.shape[0] else data.narrow(0, 0, out.shape[0])

@@ -4,5 +4,7 @@ what the GEMMs pass around), and Transformer Engine's per-tensor quantizers. `fp
 
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from .storage import FP8_DTYPES, Float8TensorStorage
+from .utils import replace_raw_data
 
-__all__ = ["Float8Tensor", "Float8TensorStorage", "Float8Quantizer", "Float8CurrentScalingQuantizer", "FP8_DTYPES"]
+__all__ = ["Float8Tensor", "Float8TensorStorage", "Float8Quantizer", "Float8CurrentScalingQuantizer", "FP8_DTYPES",
+           "replace_raw_data"]

@@ -50,7 +50,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
                     scale_inv_value) -> None:
         data, fmt = _bytes_and_format(data, fp8_dtype, "data")
         if data_transpose is not None:
-            data_transpose, fmt_t = _bytes_and_format(data_transpose, fmt, "data_transpose")
+            data_transpose, fmt_t = _bytes_and_format(
+                data_transpose, fmt if getattr(data_transpose, "dtype", None) == torch.uint8 else None,
+                "data_transpose")
             n = data.shape[-1] if data.dim() else 1
             want = (n, data.numel() // n if n else 0)
             if fmt_t != fmt or tuple(data_transpose.shape) != want \
