@@ -37,7 +37,7 @@ import torch
 
 import fp8kit
 import fp8kit.pytorch as te
-from fp8kit.bench import CURRENT, DELAYED, SHAPES, Timer, interleaved
+from fp8kit.bench_common import CURRENT, DELAYED, SHAPES, Timer, _data, interleaved
 
 __all__ = ["run_compile_bench", "format_compile_report", "GPT_CONFIG", "QUICK_GPT_CONFIG", "QUICK_SHAPES",
            "BACKENDS"]
@@ -80,8 +80,6 @@ def _float8_linear(model: torch.nn.Module, device: torch.device) -> torch.nn.Mod
 # ---- Linear forward + backward ----------------------------------------------------------------------------------
 
 def _linear_step(kind: str, shape, device: torch.device, compiled: bool, backend: str) -> Callable[[], None]:
-    from fp8kit.bench import _data
-
     x, dy = _data(shape, device)
     if kind in RECIPES:
         layer = te.Linear(shape[1], shape[2], device=device, params_dtype=torch.bfloat16)

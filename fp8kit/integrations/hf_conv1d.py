@@ -1,7 +1,8 @@
 """fp8kit's version of Hugging Face's `Conv1D` (GPT-2, GPT, ...): `y = x @ weight + bias` with `weight` stored
 `[nx, nf]` (in, out), transposed with respect to torch.nn.Linear.
 
-`convert_model` swaps every `transformers.pytorch_utils.Conv1D` for this class, keeping the same Parameter
+Importing this module registers the class with `convert_model`, which then swaps every
+`transformers.pytorch_utils.Conv1D` for it, keeping the same Parameter
 objects, names and layout, so a checkpoint of the converted model loads into the stock model class and back
 (the FP8 state adds `<name>.fp8_meta.*` keys, as for fp8kit's Linear).
 
@@ -22,6 +23,7 @@ import torch
 from transformers.pytorch_utils import Conv1D as HFConv1D
 
 from fp8kit.pytorch import Linear
+from fp8kit.pytorch.convert import register_converter
 
 
 class Conv1D(HFConv1D):
@@ -122,3 +124,7 @@ class Conv1D(HFConv1D):
 
     def __repr__(self) -> str:
         return f"Conv1D(nf={self.nf}, nx={self.nx}, fp8kit)"
+
+
+# convert_model's table of layer types (the core imports no integration; this module adds its layer on import).
+register_converter(HFConv1D, lambda layer: (layer.nx, layer.nf), Conv1D.from_hf, "transformers Conv1D")

@@ -3,7 +3,7 @@
 
 import torch
 
-from . import attention, distributed, optimizers
+from . import attention, distributed, fsdp, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -15,7 +15,6 @@ from .availability import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
-from .cast import quantize
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
@@ -32,6 +31,7 @@ from .modules import (
     Linear,
     RMSNorm,
 )
+from .quantize_api import quantize
 from .quantized_tensor import (
     QuantizedTensor,
     QuantizedTensorStorage,
@@ -50,7 +50,7 @@ torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
-           "Float8Tensor", "convert_model", "distributed", "optimizers",
+           "Float8Tensor", "convert_model", "distributed", "fsdp", "optimizers",
            "checkpoint", "CudaRNGStatesTracker", "make_graphed_callables", "apply_pending_updates", "DType",
            "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",

@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import registry
-from .distributed import DistributedRuleError, RegistrationMismatchError, group_ranks, state_label
+from .dist_rules import DistributedRuleError, RegistrationMismatchError, group_ranks, state_label
 from .state import update_states
 
 __all__ = ["reduced_update", "check_local_key", "mismatch_message", "recipe_description"]

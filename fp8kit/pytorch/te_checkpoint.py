@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Mapping, MutableMapping, Optional
 
 import torch
 
+from .state_entry import bad_fp8_entry
+
 __all__ = ["TEExtraState", "TEObject", "RestrictedUnpickler", "read_extra_state", "EXTRA_STATE_KEY",
            "with_te_extra_state", "accept_extra_state"]
 
@@ -273,8 +275,6 @@ def _interpret(state, layout: str) -> Optional[TEExtraState]:
 
 def _entries(decoded: TEExtraState, num_gemms: int) -> Dict[str, Dict[str, torch.Tensor]]:
     """fp8kit's `fp8_meta.<pass>` entries from decoded TE state; raises ValueError naming TE's field."""
-    from .modules.base import bad_fp8_entry  # modules.base imports this file
-
     entries = {}
     for name, per_gemm, te_pass in (("scaling_fwd", 3, "fwd"), ("scaling_bwd", 2, "bwd")):
         history, scale = decoded.scales[name]
