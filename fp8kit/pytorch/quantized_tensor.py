@@ -41,6 +41,7 @@ class QuantizedTensorStorage:
             self.with_transpose()
         elif columnwise_usage is False:
             self._transpose = None
+            self._transpose_invalid = True
 
 
 def prepare_for_saving(*tensors) -> Tuple[list, list]:
