@@ -28,13 +28,13 @@ from fp8kit.bench_common import (
     BASELINE,
     CURRENT,
     DELAYED,
-    SHAPES,
     Timer,
     _data,
     _iterations,
     device_argument,
     interleaved,
     positive_int,
+    run_settings,
 )
 
 QUICK_SHAPES = [(16, 64, 64), (128, 128, 128)]
@@ -234,12 +234,7 @@ def format_report(report: dict) -> str:
 def run_bench(device: str = "auto", quick: bool = False, rounds: Optional[int] = None,
               shapes: Optional[List[Tuple[int, int, int]]] = None) -> dict:
     """Run all the measurements; returns the report dict (what `--json` writes)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    rounds = rounds or (3 if quick else 9)
-    target_ms = 2.0 if quick else 40.0
-    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    dev, rounds, target_ms, shapes = run_settings(device, quick, rounds, shapes, QUICK_SHAPES)
     linear, skipped = bench_linear(shapes, dev, rounds, target_ms)
     numel = (1 << 16) if quick else ((1 << 26) if dev.type == "cuda" else (1 << 22))
     return {

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,3 +92,14 @@ def device_argument(parser: argparse.ArgumentParser, text: str) -> str:
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"argument --device: {text} requested but CUDA is not available")
     return str(device)
+
+
+def run_settings(device: str, quick: bool, rounds: Optional[int], shapes: Optional[Sequence[Tuple[int, int, int]]],
+                 quick_shapes: Sequence[Tuple[int, int, int]]):
+    """(torch.device, rounds, target ms per sample, shapes) of a run: "auto" resolved, 3 rounds of 2 ms samples
+    with `quick` (else 9 of 40 ms), the given shapes or the defaults."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    rounds = rounds or (3 if quick else 9)
+    target_ms = 2.0 if quick else 40.0
+    return torch.device(device), rounds, target_ms, list(shapes or (quick_shapes if quick else SHAPES))

@@ -104,9 +104,11 @@ class Conv1D(HFConv1D):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        fp8_keys = {k: v for k, v in state_dict.items() if k.startswith(prefix + "fp8_meta.")}
+        if fp8_keys:  # checked first: a bad FP8 entry raises before this module's parameters load
+            self.fp8_engine.fp8_entries(fp8_keys, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        fp8_keys = {k: v for k, v in state_dict.items() if k.startswith(prefix + "fp8_meta.")}
         if not fp8_keys:
             return
         # The engine takes them off unexpected_keys and loads (or reports) them; while it does, it holds this

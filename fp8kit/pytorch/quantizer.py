@@ -147,4 +147,6 @@ def with_transpose(q: Float8TensorStorage) -> Float8TensorStorage:
 def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     """The bias gradient: `dy` summed over its leading dimensions, in dy's dtype."""
     n = dy.shape[-1] if dy.dim() else 1
+    if n == 0:  # a layer without outputs: reshape(-1, 0) is ambiguous
+        return dy.new_zeros(0)
     return dy.reshape(-1, n).sum(0)

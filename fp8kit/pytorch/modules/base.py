@@ -12,16 +12,15 @@ import torch
 from ...recipe import DelayedScaling
 from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
-from ..cast import fp8_dtype_of
 from ..compiled import compiling, note_compiled_call
 from ..dist_rules import label_states
 from ..fp8_weights import parameter_attributes, renew_weight_quantizers, restore_parameter_attributes
-from ..quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
+from ..recipe_families import recipe_family
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
 from ..state_entry import FIELDS as _FIELDS
-from ..state_entry import bad_fp8_entry
-from ..te_checkpoint import with_te_extra_state
+from ..state_entry import CheckpointEntryError, bad_fp8_entry
+from ..te_checkpoint import accept_extra_state, with_te_extra_state
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 STATE_CAPACITY = DelayedScaling.amax_history_len  # history rows allocated up front (the default recipe's length)
@@ -54,22 +53,9 @@ class FP8Call:
         return self.frame.step
 
     def quantizers(self, gemm: int = 0):
-        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module."""
-        recipe = self.frame.recipe
-        fmt = recipe.fp8_format.value
-        fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
-        if isinstance(recipe, DelayedScaling):
-            fwd, bwd = self._states
-            grad_q = DelayedQuantizer(bwd, 2 * gemm, bwd_dtype)
-            if self.replay:
-                scales = self.record.scales
-                return FixedScaleQuantizer(scales[3 * gemm], fwd_dtype), \
-                    FixedScaleQuantizer(scales[3 * gemm + 1], fwd_dtype), grad_q
-            return DelayedQuantizer(fwd, 3 * gemm, fwd_dtype), DelayedQuantizer(fwd, 3 * gemm + 1, fwd_dtype), grad_q
-        groups = self.module.current_scaling_groups(gemm)
-        roles = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
-        return tuple(CurrentQuantizer(dtype, q.amax_epsilon, q.power_2_scale, group)
-                     for dtype, q, group in zip((fwd_dtype, fwd_dtype, bwd_dtype), roles, groups))
+        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module, from the recipe's family
+        (fp8kit.pytorch.recipe_families: the one place that knows the recipe types)."""
+        return recipe_family(type(self.frame.recipe)).quantizers(self, gemm)
 
     def count_gemm_backwards(self, gemms: int) -> None:
         """Say that this call's backward runs `gemms` GEMM backwards which each report to the step when they are done
@@ -264,28 +250,33 @@ class FP8StateMixin:
             destination[base + "scale"] = state.scale
             destination[base + "update_count"] = state.count if keep_vars else state.count.detach()
 
+    def fp8_entries(self, state_dict, prefix: str):
+        """This module's FP8 entries of a checkpoint, checked: {pass name: {field: value}} (passes the checkpoint
+        lacks are left out: a torch.nn.Linear checkpoint keeps the current state). Transformer Engine's
+        `<prefix>_extra_state` (te_checkpoint.py, read without arbitrary pickle) stands in when the checkpoint has
+        none of fp8kit's keys. Raises CheckpointEntryError (a ValueError) naming the first bad key."""
+        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms)
+        entries = {}
+        for name, per_gemm in _PASSES:
+            base = f"{prefix}fp8_meta.{name}"
+            found = {f: state_dict[f"{base}.{f}"] for f in _FIELDS if f"{base}.{f}" in state_dict}
+            if not found:
+                continue
+            field, problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
+            if problem:
+                raise CheckpointEntryError(f"{base}.{field}: {problem}" if field else f"{base}: {problem}")
+            entries[name] = found
+        return entries
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # All or nothing: every FP8 entry is checked before anything of this module (parameters included) loads.
+        entries = self.fp8_entries(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
-        # Transformer Engine's `<prefix>_extra_state`, read without arbitrary pickle (te_checkpoint.py): accepted,
-        # and used as the fp8_meta entries when the checkpoint has none of fp8kit's
-        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms, unexpected_keys, error_msgs)
-        entries, problems = {}, []
-        for name, per_gemm in _PASSES:
-            base = f"{prefix}fp8_meta.{name}."
-            found = {f: state_dict[base + f] for f in _FIELDS if base + f in state_dict}
-            if not found:
-                continue  # e.g. a torch.nn.Linear checkpoint: keep the current state
-            problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
-            if problem:
-                problems.append(f"{base[:-1]}: {problem}")
-            entries[name] = found
-        if problems:  # all or nothing: a module never holds half of a checkpoint's FP8 state
-            error_msgs.extend(problems)
-            return
+        accept_extra_state(prefix, unexpected_keys)  # Transformer Engine's `<prefix>_extra_state` is expected
         for name, found in entries.items():
             self._load_state(name, found)
 

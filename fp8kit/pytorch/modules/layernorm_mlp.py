@@ -24,7 +24,7 @@ from ..recompute import in_backward
 from ..tensor.float8_tensor import Float8Tensor
 from .activation import activation, activation_saving_input, check_activation, is_gated
 from .base import FP8StateMixin
-from .gemm_call import high_precision_plan, linear_call, track_gemm_backwards
+from .linear_base import high_precision_plan, linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
 from .norm import check_eps, check_normalization, normalize
 from .setup import (
@@ -42,9 +42,10 @@ __all__ = ["LayerNormMLP"]
 _KIND = "LayerNormMLP"
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{_KIND}: {name} must be an int >= 1, got {value!r}")
+def _size(name: str, value) -> int:
+    """A feature size: an int >= 0 (0 is a layer with nothing to multiply, as Transformer Engine allows)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{_KIND}: {name} must be an int >= 0, got {value!r}")
     return value
 
 
@@ -122,8 +123,8 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         torch.nn.Module.__init__(self)
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.ffn_hidden_size = _positive_int("ffn_hidden_size", ffn_hidden_size)
+        self.hidden_size = _size("hidden_size", hidden_size)
+        self.ffn_hidden_size = _size("ffn_hidden_size", ffn_hidden_size)
         self.normalization = check_normalization(_KIND, normalization)
         self.eps = check_eps(_KIND, eps)
         self.activation = activation

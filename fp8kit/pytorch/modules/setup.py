@@ -9,9 +9,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ...recipe import DelayedScaling
 from ..compiled import compiling
 from ..distributed import TensorParallel, tensor_parallel
+from ..recipe_families import recipe_family
 from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.storage import Float8TensorStorage
 from .base import FP8Call
@@ -162,17 +162,7 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
                             "a recipe of the same format")
         cached = weight_param.storage_view()
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
-    if isinstance(recipe, DelayedScaling):
-        if module.save_original_input and call.fp8[2]:
-            raise ValueError(f"{type(module).__name__}(save_original_input=True) cannot run under DelayedScaling: a "
-                             "delayed-scaling cast of the saved input would record its amax a second time (as in "
-                             "Transformer Engine); use Float8CurrentScaling or save_original_input=False")
-    else:
-        plan.fast_accum = tuple(not p.use_split_accumulator
-                                for p in (recipe.fp8_gemm_fprop, recipe.fp8_gemm_dgrad, recipe.fp8_gemm_wgrad))
-        plan.backward_override = recipe.backward_override
-        if recipe.backward_override is not None:
-            plan.fp8 = (call.fp8[0], False, False)
+    recipe_family(type(recipe)).configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input
     plan.weight_param = weight_param
     plan.fuse_wgrad = module.fuse_wgrad_accumulation

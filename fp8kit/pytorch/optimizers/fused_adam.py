@@ -22,7 +22,6 @@ for bit.
 from __future__ import annotations
 
 import math
-import warnings
 from itertools import chain
 from typing import Iterable, Optional
 
@@ -30,7 +29,17 @@ import torch
 
 from ..quantized_tensor import QuantizedTensor
 from ..tensor.float8_tensor import Float8Tensor
-from .common import by_device, check_number, describe, local_tensor, parameter_gradient, wrap_like
+from .common import (
+    KeepsOptions,
+    by_device,
+    check_number,
+    deprecated_set_grad_none,
+    describe,
+    local_tensor,
+    parameter_gradient,
+    wrap_like,
+    zero_grad_set_to_none,
+)
 
 __all__ = ["FusedAdam"]
 
@@ -40,7 +49,7 @@ _OPTIONS = ("adam_w_mode", "capturable", "master_weights", "master_weight_dtype"
             "use_decoupled_grad", "store_param_remainders", "set_grad_none")
 
 
-class FusedAdam(torch.optim.Optimizer):
+class FusedAdam(KeepsOptions, torch.optim.Optimizer):
     """Adam / AdamW with Transformer Engine's options (see the module docstring).
 
     FusedAdam(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, amsgrad=False, *,
@@ -58,6 +67,8 @@ class FusedAdam(torch.optim.Optimizer):
     master_weight_dtype / exp_avg_dtype / exp_avg_sq_dtype, store_param_remainders with master weights, and a
     `grad_scaler` passed to `step`.
     """
+
+    _OPTIONS = _OPTIONS
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = False, *, bias_correction: bool = True,
@@ -91,18 +102,10 @@ class FusedAdam(torch.optim.Optimizer):
         self.exp_avg_dtype = self.exp_avg_sq_dtype = torch.float32
         self.use_decoupled_grad = use_decoupled_grad
         self.store_param_remainders = False
-        self.set_grad_none = set_grad_none
-        if set_grad_none is not None:
-            warnings.warn("set_grad_none kwarg in FusedAdam constructor is deprecated. Use set_to_none kwarg in "
-                          "zero_grad instead.", DeprecationWarning, stacklevel=2)
+        self.set_grad_none = deprecated_set_grad_none("FusedAdam", set_grad_none)
         defaults = {"lr": lr, "bias_correction": bias_correction, "betas": betas, "eps": eps,
                     "weight_decay": weight_decay}
         super().__init__(params, defaults)
-
-    def __getstate__(self) -> dict:
-        state = super().__getstate__()
-        state.update({name: getattr(self, name) for name in _OPTIONS})
-        return state
 
     # ---- parameters and groups ----
 
@@ -245,13 +248,7 @@ class FusedAdam(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Reset the gradients (`decoupled_grad` with use_decoupled_grad); set_to_none defaults to True."""
-        if self.set_grad_none is not None:
-            if set_to_none is not None and set_to_none != self.set_grad_none:
-                raise ValueError(f"Called zero_grad with set_to_none={set_to_none}, but FusedAdam was initialized "
-                                 f"with set_grad_none={self.set_grad_none}")
-            set_to_none = self.set_grad_none
-        if set_to_none is None:
-            set_to_none = True
+        set_to_none = zero_grad_set_to_none("FusedAdam", self.set_grad_none, set_to_none)
         if not self.use_decoupled_grad:
             super().zero_grad(set_to_none=set_to_none)
             return

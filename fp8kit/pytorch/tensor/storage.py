@@ -9,6 +9,7 @@ Computations take FP8-typed views (`fp8_view()`: `_data.view(fp8_dtype)`, no cop
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -164,7 +165,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
     def _create_transpose(self) -> None:
         """Make `_transpose` from `_data` (a copy of the transposed bytes) and mark it valid."""
         n = self._data.shape[-1] if self._data.dim() else 1
-        self._transpose = self._data.reshape(-1, n).t().contiguous()
+        self._transpose = self._data.reshape(math.prod(self._data.shape[:-1]), n).t().contiguous()  # n may be 0
         self._transpose_invalid = False
 
     def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
@@ -182,6 +183,22 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return {"data": self._data, "fp8_scale_inv": self.scale_inv, "fp8_dtype": self._fp8_dtype,
                 "data_transpose": None if self._transpose_invalid else self._transpose,
                 "quantizer": self._quantizer, "fake_dtype": self._dtype}
+
+    # ---- an FP8 operand saved for the backward GEMMs (fp8kit's Linear function) ----
+
+    def saved_form(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(bytes, scale tensor) to hand to `ctx.save_for_backward`: the transpose seen as a column-major view when
+        the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes, both as
+        FP8-typed views (they carry the format); the scale tensor may be None on the host path, where
+        `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
+        t = self.transpose_view()
+        return (t.t() if t is not None else self.fp8_view()), self._scale_inv
+
+    @staticmethod
+    def from_saved(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
+                   scale_inv_value: Optional[float]) -> "Float8TensorStorage":
+        """An operand `saved_form` gave, back as a storage (its nominal dtype does not matter to the GEMMs)."""
+        return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
 
     # ---- autograd saving (Transformer Engine's protocol) ----
 
