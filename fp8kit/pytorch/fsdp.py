@@ -50,7 +50,7 @@ def pre_all_gather(shard: Float8Tensor, mesh, orig_size: torch.Size) -> Tuple[Tu
         _agree_on_scale(shard, group)
         if quantizer is not None:
             quantizer._fp8kit_fsdp_scale_checked = True
-    data = shard._data.contiguous().view(torch.uint8)
+    data = shard._data.contiguous()  # the uint8 bytes
     padded_rows = math.ceil(orig_size[0] / mesh.size()) if len(orig_size) else 0
     padded = (padded_rows, *orig_size[1:])
     if tuple(data.shape) != padded:  # uneven sharding: FSDP2 gathers equal sizes, the padding is dropped afterwards
