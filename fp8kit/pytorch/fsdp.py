@@ -73,7 +73,7 @@ def post_all_gather(shard: Float8Tensor, outputs: Tuple[torch.Tensor, ...], meta
         out._scale_inv, out._fp8_dtype = scale_inv, fp8_dtype
         out._scale_inv_value = None
         out._transpose, out._transpose_invalid = None, True
-        out._values = None
+        out._values, out._codes_finite = None, False
         return None
     full = Float8Tensor(dtype=param_dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=fp8_dtype,
                         quantizer=shard._quantizer)

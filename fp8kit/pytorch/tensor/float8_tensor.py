@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import cast as casts
 from .. import host
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, Quantizer, run_dequantized
+from ..quantized_tensor import QuantizedTensor, Quantizer, dispatch_through
 from .storage import Float8TensorStorage
 
 __all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "make_float8_tensor", "wrap"]
@@ -140,6 +140,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         self._transpose, self._transpose_invalid = src._transpose, src._transpose_invalid
         self._quantizer = src._quantizer.copy() if src._quantizer is not None and src is tensor else src._quantizer
         self._dtype, self._scale_inv_value, self._values = src._dtype, src._scale_inv_value, None
+        self._codes_finite = False
 
     data = property(_get_data, _set_data)
 
@@ -178,13 +179,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            out = handler(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return run_dequantized(func, args, kwargs)
+        return dispatch_through(_HANDLERS, func, args, kwargs)
 
 
 _ALL_GATHER: list = []  # [(pre_all_gather, post_all_gather)], from fp8kit.pytorch.fsdp
@@ -280,6 +275,7 @@ def _copy_(dst, src, non_blocking=False):
         dst.scale_inv.copy_(src.scale_inv, non_blocking=non_blocking)
         dst._scale_inv_value = None
         dst._values = None
+        dst._codes_finite = False
         transpose = _valid_transpose(src)
         dst._transpose = None if transpose is None else transpose.clone()
         dst._transpose_invalid = transpose is None
@@ -360,6 +356,7 @@ def _after_update(quantizer, dst, q) -> None:
     dst._fp8_dtype = q._fp8_dtype
     dst._scale_inv_value = None
     dst._values = None
+    dst._codes_finite = False
     dst._transpose = None
     dst._transpose_invalid = True
     if quantizer.columnwise_usage:
