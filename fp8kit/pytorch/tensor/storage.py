@@ -108,8 +108,13 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return _TORCH_OF[self._fp8_dtype]
 
     def fp8_view(self) -> torch.Tensor:
-        """`_data` read as its FP8 format (a view, no copy)."""
-        return self._data.view(_TORCH_OF[self._fp8_dtype])
+        """`_data` read as its FP8 format (a view, no copy; the same view object while `_data` and the format stay,
+        so that a saved operand can be recognised by identity)."""
+        data, fmt = self._data, self._fp8_dtype
+        memo = getattr(self, "_fp8_view_memo", None)
+        if memo is None or memo[0] is not data or memo[1] is not fmt:
+            memo = self._fp8_view_memo = (data, fmt, None if data is None else data.view(_TORCH_OF[fmt]))
+        return memo[2]
 
     def transpose_view(self) -> Optional[torch.Tensor]:
         """`_transpose` read as its FP8 format (a view), or None when there is no valid one."""
