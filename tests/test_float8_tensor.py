@@ -343,3 +343,8 @@ def test_identity_ops_are_exact_and_differentiable(op):
     assert torch.equal(x.grad, dy)
     y = y.dequantize() if isinstance(y, QuantizedTensor) else y
     assert torch.equal(y.detach(), x.detach().dequantize())
+
+
+def test_the_base_class_refuses_views():
+    with pytest.raises(NotImplementedError, match="QuantizedTensor class does not support tensor views"):
+        QuantizedTensor((4, 4), torch.bfloat16).view(-1)

@@ -200,6 +200,8 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.view.default:  # as Transformer Engine's base class: views need a subclass's data
+            raise NotImplementedError(f"{cls.__name__} class does not support tensor views")
         return run_dequantized(func, args, kwargs or {})
 
 
