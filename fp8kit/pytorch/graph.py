@@ -32,7 +32,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ..recipe import DelayedScaling, Recipe
-from .autocast import current_frame, graph_capture_autocast
+from .autocast import current_frame, entry_recipe, graph_capture_autocast
 from .graph_schedule import canonical_hooks, run_hooks, schedule
 from .modules.base import FP8StateMixin
 
@@ -123,7 +123,7 @@ def make_graphed_callables(
     if not isinstance(calibrating, bool):
         raise TypeError(f"make_graphed_callables: calibrating must be a bool, got {calibrating!r}")
     if any(enabled) or calibrating:
-        recipe = DelayedScaling() if recipe is None else recipe
+        recipe = entry_recipe(recipe, "make_graphed_callables")  # the fields at capture: replays check them
     for module in modules:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"make_graphed_callables: graphing {type(module).__name__} is not supported; pass "

@@ -19,6 +19,7 @@ from ..quantized_tensor import QuantizedTensorStorage
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _TORCH_OF = {DType.kFloat8E4M3: torch.float8_e4m3fn, DType.kFloat8E5M2: torch.float8_e5m2}
+_TE_DTYPE = {dtype: te_dtype(dtype) for dtype in FP8_DTYPES}
 
 __all__ = ["Float8TensorStorage", "FP8_DTYPES", "widen"]
 
@@ -71,11 +72,16 @@ class Float8TensorStorage(QuantizedTensorStorage):
             raise TypeError(
                 f"Float8Tensor fp8_scale_inv must be one float32 element, got {getattr(fp8_scale_inv, 'dtype', None)} "
                 f"of shape {tuple(getattr(fp8_scale_inv, 'shape', ()))}")
+        self._assign(data, fmt, fp8_scale_inv if fp8_scale_inv is None or fp8_scale_inv.dim() == 1
+                     else fp8_scale_inv.reshape(1), fake_dtype if fake_dtype is not None else torch.float32,
+                     data_transpose, quantizer, scale_inv_value)
+
+    def _assign(self, data, fmt, scale_inv, fake_dtype, data_transpose, quantizer, scale_inv_value) -> None:
+        """Set every field: `data` (and `data_transpose`) uint8 bytes of the format `fmt` (a DType)."""
         self._data = data
-        self._scale_inv = fp8_scale_inv if fp8_scale_inv is None or fp8_scale_inv.dim() == 1 \
-            else fp8_scale_inv.reshape(1)
+        self._scale_inv = scale_inv
         self._fp8_dtype = fmt
-        self._dtype = fake_dtype if fake_dtype is not None else torch.float32
+        self._dtype = fake_dtype
         self._transpose = data_transpose
         self._transpose_invalid = data_transpose is None
         self._quantizer = quantizer
@@ -87,6 +93,14 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._transposed_of = None  # the storage this one is the transpose of (shares its `values`), or None
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
         self._scale_inv_value = scale_inv_value
+
+    @classmethod
+    def trusted(cls, data: torch.Tensor, scale_inv: torch.Tensor, fake_dtype: torch.dtype) -> "Float8TensorStorage":
+        """A storage of FP8-typed `data` (kept as its uint8 bytes) and float32 `[1]` `scale_inv` made by fp8kit's own
+        casts (no checks)."""
+        self = cls.__new__(cls)
+        self._assign(data.view(torch.uint8), _TE_DTYPE[data.dtype], scale_inv, fake_dtype, None, None, None)
+        return self
 
     # ---- reading ----
 
