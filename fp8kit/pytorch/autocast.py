@@ -25,6 +25,7 @@ import torch
 
 from ..recipe import DelayedScaling, Recipe
 from . import registry
+from .amax_reduction import check_local_key, reduced_update
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
 from .recipe_families import registered_recipes
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
@@ -161,8 +162,6 @@ def _update_step(step: _Step) -> None:
             if key not in reduced and key not in step.forward_keys:
                 registry.update_key(key, "forward", flagged_forward(key))
     if registry.dist_initialized():
-        from .amax_reduction import check_local_key, reduced_update
-
         for key in step.entered:
             if key not in reduced:
                 check_local_key(key)
@@ -186,8 +185,6 @@ def run_pending_backward() -> None:
     flush_backward()
     if not _PENDING_BACKWARD:
         return
-    from .amax_reduction import reduced_update
-
     while _PENDING_BACKWARD:
         key = next(iter(_PENDING_BACKWARD))
         seq = _PENDING_BACKWARD.pop(key)
