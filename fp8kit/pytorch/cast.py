@@ -16,6 +16,13 @@ from . import host
 from .tensor.storage import Float8TensorStorage
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# The largest float32 that torch's float32 -> FP8 conversion (round to nearest even) takes to the largest finite FP8
+# value without a clamp: the midpoint between max and the next step (480 for E4M3, 65536 = inf for E5M2) where it
+# rounds to the even neighbour, max (E4M3's 464), else the float32 below it (E5M2's midpoint 61440 rounds to inf).
+# Up to these the conversion without a clamp is the saturating cast (tests/test_cast_cpu.py checks every float32
+# from max up to them against tests/reference.py). torch 2.13 also saturates E4M3 above 464; older versions give
+# NaN there, so the bound does not rely on it.
+UNCLAMPED_MAX = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0 - 2.0 ** -8}
 _DTYPE_OF_NAME = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -117,11 +124,17 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8
                                fake_dtype=x.dtype)
 
 
-def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float) -> Float8TensorStorage:
+def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float,
+              nan_free: bool = False) -> Float8TensorStorage:
     """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
-    `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s."""
-    # Products are monotonic in |x|: when the largest stays within range no element needs the clamp.
-    in_range = host.f32(amax_value * scale) <= FP8_MAX[fp8_dtype]
+    `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s. `nan_free`: the caller knows
+    x holds no NaN (`host.amax_nan`), so the saturated bytes hold no NaN or inf code either, which the CPU GEMM's
+    widening then need not check."""
+    # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no element
+    # needs the clamp (UNCLAMPED_MAX; current scaling's `amax * (max / amax)` can exceed max by an ulp).
+    in_range = host.f32(amax_value * scale) <= UNCLAMPED_MAX[fp8_dtype]
     data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
     # scale_inv is made from the float when asked
-    return Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
+    q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
+    q._codes_finite = nan_free
+    return q

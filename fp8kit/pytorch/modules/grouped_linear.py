@@ -17,7 +17,14 @@ from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8StateMixin
 from .linear_base import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
-from .setup import default_init_method, divide, gemm_plan, init_parameter, keep_cached_weight
+from .setup import (
+    default_init_method,
+    divide,
+    gemm_plan,
+    high_precision_gemm_plan,
+    init_parameter,
+    keep_cached_weight,
+)
 from .splits import check_splits
 
 __all__ = ["GroupedLinear"]
@@ -167,8 +174,11 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
         applied = [None] * self.num_gemms if self.return_bias else biases
         call = self.begin_fp8_call([inp] + weights + biases, weights[0].device)
-        plans = [None] * self.num_gemms
-        if call is not None:
+        if call is None:
+            stores = self.wgrad_stores or (None,) * self.num_gemms
+            plans = [high_precision_gemm_plan(self, None, is_first_microbatch, w, store)
+                     for w, store in zip(weights, stores)]
+        else:
             if self.tp_size > 1 and not isinstance(call.frame.recipe, DelayedScaling):
                 raise ValueError(f"{_KIND}: current scaling with tp_size={self.tp_size} is not supported (the module "
                                  "runs no collective to reduce the split weights' amaxes), as in Transformer Engine")

@@ -24,7 +24,7 @@ from ..recompute import in_backward
 from ..tensor.float8_tensor import Float8Tensor
 from .activation import activation, activation_saving_input, check_activation, is_gated
 from .base import FP8StateMixin
-from .linear_base import high_precision_plan, linear_call, track_gemm_backwards
+from .linear_base import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
 from .norm import check_eps, check_normalization, normalize
 from .setup import (
@@ -32,6 +32,7 @@ from .setup import (
     default_init_method,
     divide,
     gemm_plan,
+    high_precision_gemm_plan,
     init_parameter,
     keep_cached_weight,
     resolve_tensor_parallel,
@@ -261,10 +262,10 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
         ln_out = normalize(self.normalization, inp, ln_w, ln_b, self.eps, self.zero_centered_gamma)
         if call is not None:
             plans = self._fp8_plans(call, tp1, tp2, is_first_microbatch, (inp, ln_w, ln_b, w1, b1), (w2, b2))
-        elif tp1 is not None:
-            plans = (high_precision_plan(tp1), high_precision_plan(tp2))
         else:
-            plans = (None, None)
+            stores = self.wgrad_stores or (None, None)
+            plans = (high_precision_gemm_plan(self, tp1, is_first_microbatch, w1, stores[0]),
+                     high_precision_gemm_plan(self, tp2, is_first_microbatch, w2, stores[1]))
         fc1_out = linear_call(_KIND, ln_out, w1, b1, plans[0], self.hidden_size)
         act = activation_saving_input if call is not None else activation
         act_out = act(self.activation, fc1_out, self.activation_params)

@@ -25,18 +25,14 @@ from .setup import (
     default_init_method,
     divide,
     gemm_plan,
+    high_precision_gemm_plan,
     init_parameter,
     keep_cached_weight,
     resolve_tensor_parallel,
     weight_splits,
 )
 
-__all__ = ["LinearBase", "linear_call", "track_gemm_backwards", "high_precision_plan"]
-
-
-def high_precision_plan(tp) -> LinearPlan:
-    """The plan of a GEMM that runs in high precision but is split over a tensor-parallel group."""
-    return LinearPlan(None, None, None, (False, False, False), tp=tp)
+__all__ = ["LinearBase", "linear_call", "track_gemm_backwards"]
 
 
 def linear_call(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
@@ -209,9 +205,13 @@ class LinearBase(FP8StateMixin):
         # LayerNormLinear's norm output do not require grad, yet a recompute with a backward follows
         call = self.begin_fp8_call((inp, weight, bias, *self.parameters(recurse=False)), weight.device)
         if call is None:
-            if tp is None:
+            plan = None
+            if tp is not None or self.fuse_wgrad_accumulation or self.wgrad_store is not None:
+                param = weight if len(self.weight_names) == 1 else None
+                plan = high_precision_gemm_plan(self, tp, is_first_microbatch, param, self.wgrad_store)
+            if plan is None:
                 return F.linear(inp, weight, applied_bias)
-            return linear_call(self._kind, inp, weight, applied_bias, high_precision_plan(tp), self.in_features)
+            return linear_call(self._kind, inp, weight, applied_bias, plan, self.in_features)
         return self._forward_fp8(inp, weight, applied_bias, call, is_first_microbatch)
 
     def _forward_fp8(self, inp, weight, bias, call, is_first_microbatch):

@@ -105,6 +105,15 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _LinearFunction.apply(x, weight, bias, plan)
 
 
+def _weight_operand(plan: LinearPlan, rebuild, saved, inv, inv_value):
+    """The FP8 weight for dgrad: the forward's storage itself when it still holds the saved bytes (no saved-tensor
+    hook replaced them), so that the CPU GEMM's widened values made in the forward serve again; else rebuilt."""
+    forward = plan.weight_fp8
+    if forward is not None and getattr(forward, "_data", None) is saved:
+        return forward
+    return rebuild(saved, inv, inv_value)
+
+
 class _LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: LinearPlan):
@@ -152,6 +161,7 @@ class _LinearFunction(torch.autograd.Function):
         ctx.as_fp8 = (x_as_fp8, w_as_fp8)
         ctx.rebuild = (x_fp8.from_saved if x_as_fp8 else None, w_fp8.from_saved if w_as_fp8 else None)
         ctx.inv_values = (x_fp8.scale_inv_value if x_as_fp8 else None, w_fp8.scale_inv_value if w_as_fp8 else None)
+        ctx.x_codes_finite = x_as_fp8 and getattr(x_fp8, "_codes_finite", False)
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
         return y
@@ -188,7 +198,7 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if dgrad:
-                dx = gemm(dy_fp8, ctx.rebuild[1](w_saved, w_inv, ctx.inv_values[1]), x_dtype,
+                dx = gemm(dy_fp8, _weight_operand(plan, ctx.rebuild[1], w_saved, w_inv, ctx.inv_values[1]), x_dtype,
                           use_fast_accum=plan.fast_accum[1])
             else:
                 w = ctx.rebuild[1](w_saved, w_inv, ctx.inv_values[1]).dequantize(dtype=dy.dtype) if w_as_fp8 \
@@ -200,6 +210,8 @@ class _LinearFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             if x_as_fp8:
                 x_operand = ctx.rebuild[0](x_saved, x_inv, ctx.inv_values[0])
+                if ctx.x_codes_finite:  # the forward's cast saw no NaN: the widening needs no check
+                    x_operand._codes_finite = True
             elif wgrad:  # save_original_input: cast the original input again (current scaling repeats its bytes)
                 x_operand = plan.input_q.quantize(x_saved)
             else:
@@ -227,6 +239,8 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
             x_hp = x.dequantize(dtype=dy.dtype)
         else:
             x_hp = x
+        if fuse and dy.dtype != torch.float32:  # into main_grad: float32 sums of the exact products, rounded once
+            return dy.t().float() @ x_hp.float()
         return (dy.t() @ x_hp).to(out_dtype)
 
     if not fuse and plan.wgrad_store is None:
@@ -236,11 +250,8 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
     def apply() -> None:
         dw = compute()
         if fuse:
-            main_grad = getattr(param, "main_grad", None)
-            if main_grad is None:
-                raise RuntimeError("fp8kit: fuse_wgrad_accumulation=True needs weight.main_grad (a float32 buffer of "
-                                   "the weight's shape) before the backward")
-            if overwrite:
+            main_grad = _main_grad(param)
+            if overwrite or getattr(param, "overwrite_main_grad", False):
                 main_grad.copy_(dw)
             else:
                 main_grad.add_(dw)
@@ -256,3 +267,16 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
         param.grad_added_to_main_grad = True
         return torch.zeros_like(param)
     return None
+
+
+def _main_grad(param: torch.Tensor) -> torch.Tensor:
+    """Where `fuse_wgrad_accumulation` puts dW, as Transformer Engine finds it: `param.get_main_grad()` for Megatron's
+    FSDP parameters (which create the buffer lazily), else `param.main_grad`."""
+    main_grad = param.get_main_grad() if hasattr(param, "__fsdp_param__") else getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("fp8kit: fuse_wgrad_accumulation=True needs weight.main_grad (a float32 buffer of the "
+                           "weight's shape) before the backward")
+    if main_grad.shape != param.shape:
+        raise RuntimeError(f"fp8kit: weight.main_grad has shape {tuple(main_grad.shape)}, the weight "
+                           f"{tuple(param.shape)}")
+    return main_grad

@@ -18,7 +18,7 @@ from .base import FP8Call
 from .linear_function import LinearPlan
 
 __all__ = ["resolve_tensor_parallel", "default_init_method", "init_parameter", "weight_splits", "check_operands",
-           "gemm_plan", "accept_userbuffer_options", "divide"]
+           "gemm_plan", "high_precision_gemm_plan", "accept_userbuffer_options", "divide"]
 
 _UB_OPTIONS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
                "ub_overlap_rs_fprop", "ub_overlap_ag_fprop", "ub_overlap_rs_dgrad")
@@ -164,11 +164,32 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
     recipe_family(type(recipe)).configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input
+    return _weight_grad_options(plan, module, is_first_microbatch, weight_param, module.wgrad_store)
+
+
+_NO_FP8 = (False, False, False)
+
+
+def high_precision_gemm_plan(module, tp: Optional[TensorParallel], is_first_microbatch: Optional[bool],
+                             weight_param: Optional[torch.nn.Parameter], store) -> Optional[LinearPlan]:
+    """The plan of a GEMM outside FP8 (no autocast, or enabled=False): None (plain `torch.nn.functional.linear`)
+    unless the GEMM is split over a tensor-parallel group or its weight gradient goes into `main_grad`
+    (`fuse_wgrad_accumulation`) or to `backward_dw` (`store`, a WeightGradStore: `delay_wgrad_compute`), which
+    Transformer Engine does in any precision."""
+    wgrad = (module.fuse_wgrad_accumulation or store is not None) and weight_param is not None \
+        and weight_param.requires_grad and torch.is_grad_enabled()
+    if tp is None and not wgrad:
+        return None
+    plan = LinearPlan(None, None, None, _NO_FP8, tp=tp)
+    return _weight_grad_options(plan, module, is_first_microbatch, weight_param, store) if wgrad else plan
+
+
+def _weight_grad_options(plan: LinearPlan, module, is_first_microbatch, weight_param, store) -> LinearPlan:
     plan.weight_param = weight_param
     plan.fuse_wgrad = module.fuse_wgrad_accumulation
     plan.overwrite_main_grad = is_first_microbatch is True
-    if module.wgrad_store is not None:
-        plan.wgrad_store = module.wgrad_store
+    if store is not None:
+        plan.wgrad_store = store
     return plan
 
 

@@ -2,7 +2,10 @@
 and the update of `torch.optim.SGD` (momentum buffer initialised to the first gradient, as both do).
 
 "Fused" means one `torch._fused_sgd_` call per parameter group, device and dtype (two when some parameters start
-their momentum buffer in this step), so the parameters take exactly the values `torch.optim.SGD(fused=True)` gives.
+their momentum buffer in this step). The update is computed in float32 and rounded once into the parameter and its
+momentum buffer (both in the parameter's dtype), as Transformer Engine's multi-tensor kernel does: float32 parameters
+take exactly the values `torch.optim.SGD(fused=True)` gives; bf16 / fp16 ones are stepped through float32 copies
+(torch's own CPU kernel at bf16 computes `lr * grad` in bf16 and leaves most small updates unapplied).
 Like Transformer Engine's FusedSGD it has no master weights, so it does not update FP8 parameters: a Float8Tensor
 parameter raises a TypeError (use `FusedAdam(master_weights=True)`), never a silent skip. Unlike Transformer Engine's,
 it updates bf16 parameters too.
@@ -101,8 +104,17 @@ class FusedSGD(KeepsOptions, torch.optim.Optimizer):
                 grads.append(grad)
                 if momentum != 0:
                     bufs.append(local_tensor(state["momentum_buffer"]))
-            for (_, _, first), (params, grads, bufs) in launches.items():
-                torch._fused_sgd_(params, grads, bufs, weight_decay=float(group["weight_decay"]), momentum=momentum,
-                                  lr=float(group["lr"]), dampening=float(group["dampening"]),
+            for (_, dtype, first), (params, grads, bufs) in launches.items():
+                narrow = dtype in (torch.bfloat16, torch.float16)
+                if narrow:  # float32 copies, rounded once back into the parameters and the momentum buffers
+                    work, grads, work_bufs = ([t.float() for t in ts] for ts in (params, grads, bufs))
+                else:
+                    work, work_bufs = params, bufs
+                torch._fused_sgd_(work, grads, work_bufs, weight_decay=float(group["weight_decay"]),
+                                  momentum=momentum, lr=float(group["lr"]), dampening=float(group["dampening"]),
                                   nesterov=group["nesterov"], maximize=False, is_first_step=first)
+                if narrow:
+                    torch._foreach_copy_(params, work)
+                    if bufs:
+                        torch._foreach_copy_(bufs, work_bufs)
         return loss

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import cast as casts
 from .. import host
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, Quantizer, run_dequantized
+from ..quantized_tensor import QuantizedTensor, Quantizer, dispatch_through
 from .storage import Float8TensorStorage
 
 __all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "make_float8_tensor", "wrap"]
@@ -114,13 +114,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            out = handler(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return run_dequantized(func, args, kwargs)
+        return dispatch_through(_HANDLERS, func, args, kwargs)
 
 
 _ALL_GATHER: list = []  # [(pre_all_gather, post_all_gather)], from fp8kit.pytorch.fsdp
