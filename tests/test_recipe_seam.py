@@ -35,7 +35,7 @@ class UnitStorage(Float8TensorStorage):
 
     def transposed(self) -> "UnitStorage":
         t = super().transposed()
-        return UnitStorage(data=t._data, fp8_scale_inv=t._scale_inv, fake_dtype=t._dtype)
+        return UnitStorage(data=t._data, fp8_scale_inv=t._scale_inv, fp8_dtype=t._fp8_dtype, fake_dtype=t._dtype)
 
     @staticmethod
     def from_saved(data, scale_inv, scale_inv_value) -> "UnitStorage":
@@ -50,7 +50,7 @@ class UnitQuantizer:
 
     def quantize(self, x, transpose=False):
         q = cast(x, torch.ones((), dtype=torch.float32), self.fp8_dtype)
-        return UnitStorage(data=q._data, fp8_scale_inv=q._scale_inv, fake_dtype=x.dtype)
+        return UnitStorage(data=q._data, fp8_scale_inv=q._scale_inv, fp8_dtype=q._fp8_dtype, fake_dtype=x.dtype)
 
     def quantize_dbias(self, dy):
         return self.quantize(dy, transpose=True), dy.reshape(-1, dy.shape[-1]).sum(0)
