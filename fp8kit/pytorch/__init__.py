@@ -19,6 +19,7 @@ from .cast import quantize
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
+from .cpu_offload import ManualOffloadSynchronizer, get_cpu_offload_context, mark_not_offload
 from .distributed import apply_pending_updates
 from .fp8_weights import fp8_model_init, quantized_model_init
 from .graph import make_graphed_callables
@@ -31,6 +32,14 @@ from .modules import (
     LayerNormMLP,
     Linear,
     RMSNorm,
+)
+from .permutation import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
 )
 from .quantized_tensor import (
     QuantizedTensor,
@@ -61,4 +70,8 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats",
            # Transformer Engine's availability queries (availability.py)
            "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-           "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability"]
+           "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability",
+           # MoE token routing (permutation.py) and activation offload (cpu_offload.py)
+           "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs",
+           "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer"]
