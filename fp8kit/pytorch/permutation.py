@@ -12,7 +12,8 @@ Routing maps (as in Transformer Engine):
   int32, entry `k * num_tokens + t` being the destination row of copy k of token t, or -1 when dropped.
 
 Sums over the copies of a token (unpermute, and the backward of permute) and the merging-probability products are
-computed in float32 and rounded once to the tensor's dtype, as Transformer Engine's kernels do.
+computed in float32 and rounded once to the tensor's dtype, as Transformer Engine's kernels do (float64 tensors:
+in float64).
 FP8 tensors (`QuantizedTensor`) are refused: dequantize them first (Transformer Engine moves their bytes).
 """
 
@@ -32,6 +33,11 @@ __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_pr
 # ---- the two differentiable moves -----------------------------------------------------------------------------------
 # A routing is three equal-length int64 vectors: token t, slot s (expert or top-k position) and permuted row d of each
 # copy. Permute writes row d from token t (and prob [t, s]); unpermute sums rows d (times prob [t, s]) into token t.
+
+def _acc(dtype: torch.dtype) -> torch.dtype:
+    """The dtype sums are computed in: float32 (as Transformer Engine's kernels), float64 for float64 tensors."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
 
 class _Permute(torch.autograd.Function):
     @staticmethod
@@ -54,8 +60,8 @@ class _Permute(torch.autograd.Function):
         num_tokens, probs_shape = ctx.shape
         grad_inp = grad_probs_in = None
         if ctx.needs_input_grad[0]:
-            acc = torch.zeros((num_tokens, grad_out.shape[1]), dtype=torch.float32, device=grad_out.device)
-            acc.index_add_(0, token, grad_out[row].float())
+            acc = torch.zeros((num_tokens, grad_out.shape[1]), dtype=_acc(grad_out.dtype), device=grad_out.device)
+            acc.index_add_(0, token, grad_out[row].to(acc.dtype))
             grad_inp = acc.to(grad_out.dtype)
         if ctx.needs_input_grad[1] and grad_probs is not None:
             grad_probs_in = grad_probs.new_zeros(probs_shape)
@@ -67,25 +73,27 @@ class _Unpermute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, inp, probs, token, slot, row, num_tokens):
         ctx.save_for_backward(inp, probs, token, slot, row)
-        rows = inp[row].float()
+        compute = _acc(inp.dtype)
+        rows = inp[row].to(compute)
         if probs is not None:
-            rows = rows * probs[token, slot].float().unsqueeze(1)
-        acc = torch.zeros((num_tokens, inp.shape[1]), dtype=torch.float32, device=inp.device)
+            rows = rows * probs[token, slot].to(compute).unsqueeze(1)
+        acc = torch.zeros((num_tokens, inp.shape[1]), dtype=compute, device=inp.device)
         acc.index_add_(0, token, rows)
         return acc.to(inp.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
         inp, probs, token, slot, row = ctx.saved_tensors
-        grad_rows = grad_out[token].float()
+        compute = _acc(inp.dtype)
+        grad_rows = grad_out[token].to(compute)
         grad_inp = grad_probs = None
         if ctx.needs_input_grad[0]:
-            weighted = grad_rows if probs is None else grad_rows * probs[token, slot].float().unsqueeze(1)
+            weighted = grad_rows if probs is None else grad_rows * probs[token, slot].to(compute).unsqueeze(1)
             grad_inp = torch.zeros_like(inp)
             grad_inp[row] = weighted.to(inp.dtype)
         if probs is not None and ctx.needs_input_grad[1]:
             grad_probs = torch.zeros_like(probs)
-            grad_probs[token, slot] = (grad_rows * inp[row].float()).sum(dim=1).to(probs.dtype)
+            grad_probs[token, slot] = (grad_rows * inp[row].to(compute)).sum(dim=1).to(probs.dtype)
         return grad_inp, grad_probs, None, None, None, None
 
 
