@@ -34,15 +34,20 @@ lacks is answered by a placeholder, so that a missing name fails only the cases 
 scope) for the internals listed in INTERNAL_MODULES. Two kinds of placeholder act instead of raising: calling a
 block recipe class (MXFP8BlockScaling, ...) gives a placeholder recipe whose cases are not run (out of scope), and
 `FP8GlobalStateManager.reset()` does nothing (TE's tests call it to clear TE's process-global FP8 state between
-cases; fp8kit keeps none of that kind).
+cases; fp8kit keeps none of that kind). Two test-support helpers that the tests use only to initialise weights,
+`init_method_normal(sigma)` and `scaled_init_method_normal(sigma, num_layers)` (from TE's pytorch.utils), are given
+plugin versions when fp8kit lacks them (normal initialisation with std sigma, and sigma / sqrt(2 * num_layers)).
 
 Scope: counted apart from the in-scope cases are the cases of the block recipes (a block-recipe placeholder among
 the parameters, or MXFP8/NVFP4/block scaling in the test id or in a skip reason), cases that raise `TEInternal`,
 and cases whose error says that CUDA is absent (GPU-only torch calls).
 
 Sampling: `--sample N` keeps at most N in-scope cases of each test function: the first N by a hash of the test id,
-so the choice is deterministic and spread over the parameter product. `--timeout S` fails a case after S seconds
-(reported as "timeout").
+so the choice is deterministic and spread over the parameter product. Cases on TE's large model configs (126m: 12
+layers, 2048 tokens) are taken only when a function has fewer than N other cases, and then at most
+`--sample-large` of them. `--timeout S` fails a case after S seconds (reported as "timeout"); a case stuck inside
+one long torch call is stopped at 2S + 5 s by ending its pytest process, and the file goes on in a new process that
+skips the cases already recorded.
 """
 
 from __future__ import annotations
@@ -91,6 +96,7 @@ BLOCK_PATTERN = r"mxfp8|nvfp4|fp4|block_?scaling|blockwise|fp8_block"
 GPU_ONLY_PATTERN = (r"Torch not compiled with CUDA|CUDA driver|No CUDA GPUs|Found no NVIDIA driver|"
                     r"cuda.*not available|CUDA is not available|no CUDA|device='cuda'|CUDA error")
 NOOPS = ["FP8GlobalStateManager.reset"]
+LARGE_PATTERN = r"\b126m\b"  # TE's 12-layer, 2048-token model configs: minutes per case on a CPU
 
 
 def rewrite(text: str) -> tuple[str, Counter]:
@@ -140,25 +146,38 @@ def prepare(te_root: Path, files: list[str], work: Path) -> dict:
     modules = [m for m in modules if not (work / (m.split(".")[0] + ".py")).exists()]
     config = {"imported_modules": modules, "used_names": names, "internal_modules": INTERNAL_MODULES,
               "block_recipes": BLOCK_RECIPES, "block_pattern": BLOCK_PATTERN, "gpu_only_pattern": GPU_ONLY_PATTERN,
-              "noops": NOOPS}
+              "noops": NOOPS, "large_pattern": LARGE_PATTERN}
     (work / "te_harness.json").write_text(json.dumps(config, indent=1))
     shutil.copy(Path(__file__).with_name("te_tests_plugin.py"), work / "conftest.py")
     (work / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
     return fired
 
 
+HARD_TIMEOUT_EXIT = 3  # te_tests_plugin.py: a case was stopped; the rest of the file runs in a new process
+
+
 def run_file(work: Path, name: str, args, report: Path) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(work), args.pythonpath]),
                OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads), PYTHONDONTWRITEBYTECODE="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rN", "--no-header", name, f"--te-sample={args.sample}",
-           f"--te-timeout={args.timeout}", f"--te-report={report}"] + (["-k", args.k] if args.k else [])
-    start = time.monotonic()
-    try:
-        proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=args.file_timeout)
-        tail, rc = proc.stdout[-3000:] + proc.stderr[-2000:], proc.returncode
-    except subprocess.TimeoutExpired as err:
-        tail, rc = f"file timed out after {args.file_timeout} s\n{(err.stdout or b'')[-2000:]!r}", "timeout"
-    return {"file": name, "rc": rc, "seconds": round(time.monotonic() - start, 1), "tail": tail}
+    done = work / (name + ".done")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rN", "--no-header", name,
+           f"--te-sample={args.sample}", f"--te-sample-large={args.sample_large}", f"--te-timeout={args.timeout}",
+           f"--te-report={report}", f"--te-done={done}"] + (["-k", args.k] if args.k else [])
+    start, restarts = time.monotonic(), 0
+    while True:
+        left = args.file_timeout - (time.monotonic() - start)
+        try:
+            proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=max(left, 1))
+            tail, rc = proc.stdout[-3000:] + proc.stderr[-2000:], proc.returncode
+        except subprocess.TimeoutExpired as err:
+            tail, rc = f"file timed out after {args.file_timeout} s\n{(err.stdout or b'')[-2000:]!r}", "timeout"
+        if rc != HARD_TIMEOUT_EXIT or restarts >= args.max_restarts:
+            break
+        restarts += 1  # resume after the stopped case: skip every case already recorded
+        _, cases = load(report)
+        done.write_text("\n".join(c["nodeid"] for c in cases) + "\n")
+    return {"file": name, "rc": rc, "seconds": round(time.monotonic() - start, 1), "tail": tail,
+            "restarts": restarts}
 
 
 def load(report: Path) -> tuple[dict, list[dict]]:
@@ -265,8 +284,12 @@ def main(argv=None) -> int:
     parser.add_argument("--te", default="/work/te", help="a Transformer Engine checkout")
     parser.add_argument("--out", required=True, help="output directory")
     parser.add_argument("--files", nargs="*", default=DEFAULT_FILES)
-    parser.add_argument("--sample", type=int, default=4, help="cases kept per test function (0: all)")
-    parser.add_argument("--timeout", type=float, default=20.0, help="seconds per case")
+    parser.add_argument("--sample", type=int, default=3, help="cases kept per test function (0: all)")
+    parser.add_argument("--sample-large", type=int, default=1,
+                        help="of those, cases on TE's large model configs (126m) kept per test function")
+    parser.add_argument("--timeout", type=float, default=15.0,
+                        help="seconds per case (a case still inside one torch call at 2x+5 s stops its process)")
+    parser.add_argument("--max-restarts", type=int, default=40, help="stopped cases per file before giving up")
     parser.add_argument("--file-timeout", type=float, default=900.0, help="seconds per test file")
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for the runs")
     parser.add_argument("--pythonpath", default=str(Path(__file__).resolve().parents[1]),

@@ -16,13 +16,16 @@ from __future__ import annotations
 import hashlib
 import importlib
 import json
+import math
 import os
 import re
 import signal
 import sys
+import threading
 import types
 
 import pytest
+import torch
 
 _CONFIG = json.load(open(os.path.join(os.path.dirname(__file__), "te_harness.json")))
 
@@ -32,8 +35,22 @@ _INTERNAL_PREFIXES = tuple(_CONFIG["internal_modules"])
 # Placeholders that act instead of failing (see tools/te_tests.py, "Placeholders").
 _BLOCK_RECIPES = set(_CONFIG["block_recipes"])
 _NOOPS = set(_CONFIG["noops"])
+
+
+def _normal_init(std: float):
+    return lambda tensor: torch.nn.init.normal_(tensor, mean=0.0, std=std)
+
+
+# Test-support helpers: TE's tests use them only to build inputs. When fp8kit lacks them, the placeholder calls these
+# (initialisation from N(0, sigma), and N(0, sigma / sqrt(2 * num_layers)) for the scaled variant).
+_SUPPORT = {
+    "init_method_normal": lambda sigma: _normal_init(sigma),
+    "scaled_init_method_normal": lambda sigma, num_layers: _normal_init(sigma / math.sqrt(2.0 * num_layers)),
+}
 _BLOCK_WORDS = re.compile(_CONFIG["block_pattern"], re.IGNORECASE)
 _GPU_ONLY = re.compile(_CONFIG["gpu_only_pattern"])
+_LARGE = re.compile(_CONFIG["large_pattern"])
+HARD_TIMEOUT_EXIT = 3  # the exit status of a run stopped by the watchdog (tools/te_tests.py resumes it)
 
 
 _COLLECTING = [True]
@@ -74,6 +91,8 @@ class Missing:
             return Missing(self._te_name + "()", instance=True)
         if any(self._te_name.endswith(n) for n in _NOOPS):
             return None
+        if short in _SUPPORT and not self._te_instance:
+            return _SUPPORT[short](*args, **kwargs)
         if _COLLECTING[0]:  # a module-level call (a parametrize list): fail the cases that use the result instead
             return Missing(self._te_name + "()", instance=True)
         self._fail()
@@ -165,6 +184,9 @@ def pytest_addoption(parser):
     parser.addoption("--te-sample", type=int, default=0, help="keep at most N cases per test function (0: all)")
     parser.addoption("--te-timeout", type=float, default=0, help="seconds per case (0: none)")
     parser.addoption("--te-report", default=None, help="write one JSON line per case here")
+    parser.addoption("--te-sample-large", type=int, default=1,
+                     help="keep at most N cases per test function whose id names a large model config")
+    parser.addoption("--te-done", default=None, help="a file of test ids already run (a resumed run skips them)")
 
 
 def _placeholders(value, depth=0) -> list:
@@ -208,17 +230,23 @@ def pytest_collection_modifyitems(config, items):
     groups = {}
     for item, _ in in_scope:
         groups.setdefault(item.nodeid.split("[", 1)[0], []).append(item)
-    limit = config.getoption("--te-sample")
+    limit, large_limit = config.getoption("--te-sample"), config.getoption("--te-sample-large")
     keep = []
     for members in groups.values():
-        if limit and len(members) > limit:
-            members = sorted(members, key=lambda it: _sample_key(it.nodeid))[:limit]
+        if limit:
+            members = sorted(members, key=lambda it: _sample_key(it.nodeid))
+            small = [it for it in members if not _LARGE.search(it.nodeid)]
+            large = [it for it in members if _LARGE.search(it.nodeid)]
+            members = small[:limit] + large[:max(0, min(large_limit, limit - len(small)))]
         keep.extend(members)
     kept = set(id(it) for it in keep)
     config._te_counts.update(out_of_scope_block=len(out_of_scope), in_scope=len(in_scope), sampled=len(keep))
-    items[:] = [it for it in items if id(it) in kept]
-    _write(config, {"kind": "collection", **config._te_counts,
-                    "block_cases": [it.nodeid for it, _ in out_of_scope]})
+    done_file = config.getoption("--te-done")
+    done = set(open(done_file).read().splitlines()) if done_file and os.path.exists(done_file) else set()
+    items[:] = [it for it in items if id(it) in kept and it.nodeid not in done]
+    if not done:  # the first run of this file
+        _write(config, {"kind": "collection", **config._te_counts,
+                        "block_cases": [it.nodeid for it, _ in out_of_scope]})
 
 
 def _write(config, record) -> None:
@@ -252,16 +280,29 @@ def pytest_sessionstart(session):
     _SESSION[0] = session
 
 
+def _hard_timeout(item, seconds):
+    """A case stuck in one long torch call (SIGALRM waits for the next Python instruction): record it and end the
+    process; the driver runs the rest of the file in a new one."""
+    _write(item.config, {"kind": "case", "nodeid": item.nodeid, "outcome": "timeout", "scope": "in", "reason": None,
+                         "line": f"CaseTimeout: still running after {seconds:.0f} s (stopped)", "duration": seconds})
+    os._exit(HARD_TIMEOUT_EXIT)
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     seconds = item.config.getoption("--te-timeout")
+    watchdog = None
     if seconds:
         old = signal.signal(signal.SIGALRM, _on_alarm)
         signal.setitimer(signal.ITIMER_REAL, seconds)
+        watchdog = threading.Timer(2 * seconds + 5, _hard_timeout, args=(item, 2 * seconds + 5))
+        watchdog.daemon = True
+        watchdog.start()
     try:
         yield
     finally:
         if seconds:
+            watchdog.cancel()
             signal.setitimer(signal.ITIMER_REAL, 0)
             signal.signal(signal.SIGALRM, old)
 
