@@ -7,7 +7,6 @@ import torch
 
 import fp8kit.pytorch as te
 
-
 # ---- reference: loops over tokens and experts, float64 -------------------------------------------------------------
 
 def ref_mask_copies(mask):
