@@ -10,6 +10,10 @@ from fp8kit.pytorch import cpu_offload
 from fp8kit.recipe import DelayedScaling
 
 WIDTH = 16
+# nn.Linear saves a transposed (non-contiguous) view: it stays, with the warning checked in test_what_stays_...
+# and two-layer models offload their first layer, which TE (and fp8kit) warn against
+pytestmark = [pytest.mark.filterwarnings("ignore:Tried to offload a non-contiguous tensor"),
+              pytest.mark.filterwarnings("ignore:Offloading num_layers == model_layers - 1")]
 
 
 class _Probe(torch.autograd.Function):
@@ -149,6 +153,13 @@ def test_what_stays_small_marked_and_parameters():
         y.sum().backward()
     assert got == {"big": 3, "kept": 2, "weight": 2}  # exp result, y and t; t stays when marked or a parameter
 
+    strided = torch.randn(2, cpu_offload.MIN_OFFLOAD_NUMEL, requires_grad=True)
+    context, sync = te.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=2)
+    with pytest.warns(UserWarning, match="non-contiguous"):
+        with context:
+            y = strided.t().exp()  # saves its non-contiguous output
+    assert context.synchronizer.layer_states[0].saved == []
+
 
 def test_disabled_and_option_errors():
     context, sync = te.get_cpu_offload_context(enabled=False)
@@ -177,9 +188,19 @@ def test_cuda_tensors_go_to_pinned_host_memory(small_threshold):
     model, x = _model(3).cuda(), torch.randn(8, WIDTH, device="cuda")
     reference, _ = _run(model, x)
     context, sync = te.get_cpu_offload_context(enabled=True, num_layers=1, model_layers=3)
-    grads, log = _run(model, x, context, sync)
+    _Probe.log.clear()
+    leaf = x.clone().requires_grad_(True)
+    h = leaf
+    for layer in model:
+        with context:
+            h = layer(h)
+        h = sync(h)
+    host = context.synchronizer.layer_states[0].host
+    assert host and all(t.device.type == "cpu" and t.is_pinned() for t in host)
+    assert context.synchronizer.layer_states[0].saved == []  # dropped from the GPU
+    h.square().sum().backward()
+    grads = [leaf.grad] + [p.grad for p in model.parameters()]
     for got, want in zip(grads, reference):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-    assert log[0]["restored"] != log[0]["saved"] and log[0]["same_values"]
-    host = context.synchronizer.layer_states[0].host
-    assert host == [] or all(t.is_pinned() and t.device.type == "cpu" for t in host)
+    entry = _Probe.log[0]
+    assert entry["restored"] != entry["saved"] and entry["same_values"]
