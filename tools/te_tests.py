@@ -30,8 +30,10 @@ Rewrite rules (regular expressions, applied in this order to every copied file):
 Placeholders (tools/te_tests_plugin.py, the conftest.py of the run): a module the tests import that fp8kit lacks
 (`fp8kit.pytorch.quantization`, ...) becomes a placeholder module, and a name the tests use that an fp8kit module
 lacks is answered by a placeholder, so that a missing name fails only the cases that use it. Using a placeholder
-(calling it, iterating it, subclassing it) raises `MissingName` (a failure, in scope), or `TEInternal` (out of
-scope) for the internals listed in INTERNAL_MODULES. Two kinds of placeholder act instead of raising: calling a
+(calling it, iterating it, subclassing it, isinstance against it) raises `MissingName` (a failure, in scope), or,
+out of scope, `TEInternal` for the internals listed in INTERNAL_MODULES and `BlockRecipe` for names of the block
+recipes (MXFP8Quantizer, ...). `tex.DType` (TE's C++ enum, which TE re-exports as `te.DType`) is given as
+`fp8kit.pytorch.DType` (TEX_ALIASES). Two kinds of placeholder act instead of raising: calling a
 block recipe class (MXFP8BlockScaling, ...) gives a placeholder recipe whose cases are not run (out of scope), and
 `FP8GlobalStateManager.reset()` does nothing (TE's tests call it to clear TE's process-global FP8 state between
 cases; fp8kit keeps none of that kind). Two test-support helpers that the tests use only to initialise weights,
@@ -88,6 +90,10 @@ CUDA_RULES = [
 RULES = IMPORT_RULES + CUDA_RULES
 
 INTERNAL_MODULES = ["transformer_engine_torch", "fp8kit.pytorch.cpp_extensions",
+                    # queries for TE's grouped-GEMM kernel path, and that module's autograd function
+                    "fp8kit.pytorch.modules.grouped_linear.is_module_grouped_tensor_path_supported",
+                    "fp8kit.pytorch.modules.is_module_grouped_tensor_path_supported",
+                    "fp8kit.pytorch.modules.grouped_linear._GroupedLinear",
                     "fp8kit.pytorch.attention.dot_product_attention.utils",
                     "fp8kit.pytorch.attention.dot_product_attention._attention_backends",
                     "fp8kit.pytorch.tensor.grouped_tensor", "fp8kit.pytorch.modules._split_quantization"]
@@ -96,6 +102,7 @@ BLOCK_PATTERN = r"mxfp8|nvfp4|fp4|block_?scaling|blockwise|fp8_block"
 GPU_ONLY_PATTERN = (r"Torch not compiled with CUDA|CUDA driver|No CUDA GPUs|Found no NVIDIA driver|"
                     r"cuda.*not available|CUDA is not available|no CUDA|device='cuda'|CUDA error")
 NOOPS = ["FP8GlobalStateManager.reset"]
+TEX_ALIASES = {"DType": "fp8kit.pytorch.DType"}  # TE re-exports tex.DType as te.DType
 LARGE_PATTERN = r"\b126m\b"  # TE's 12-layer, 2048-token model configs: minutes per case on a CPU
 
 
@@ -146,7 +153,7 @@ def prepare(te_root: Path, files: list[str], work: Path) -> dict:
     modules = [m for m in modules if not (work / (m.split(".")[0] + ".py")).exists()]
     config = {"imported_modules": modules, "used_names": names, "internal_modules": INTERNAL_MODULES,
               "block_recipes": BLOCK_RECIPES, "block_pattern": BLOCK_PATTERN, "gpu_only_pattern": GPU_ONLY_PATTERN,
-              "noops": NOOPS, "large_pattern": LARGE_PATTERN}
+              "noops": NOOPS, "large_pattern": LARGE_PATTERN, "tex_aliases": TEX_ALIASES}
     (work / "te_harness.json").write_text(json.dumps(config, indent=1))
     shutil.copy(Path(__file__).with_name("te_tests_plugin.py"), work / "conftest.py")
     (work / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")

@@ -64,6 +64,10 @@ class TEInternal(Exception):
     """A TE internal (C++ kernel or its wrapper) with no fp8kit equivalent (out of scope)."""
 
 
+class BlockRecipe(Exception):
+    """A name of the block recipes (MXFP8, FP8 block scaling, NVFP4: out of scope)."""
+
+
 class CaseTimeout(Exception):
     """The case ran longer than --te-timeout."""
 
@@ -101,7 +105,15 @@ class Missing:
         te_name = self._te_name.replace("fp8kit.pytorch", "transformer_engine.pytorch")
         if _internal(self._te_name):
             raise TEInternal(f"TE internal {te_name}")
+        if _BLOCK_WORDS.search(self._te_name.rsplit(".", 1)[-1]):
+            raise BlockRecipe(f"block-recipe name {te_name}")
         raise MissingName(f"fp8kit has no {self._te_name}")
+
+    def __instancecheck__(self, obj):  # isinstance(x, placeholder)
+        self._fail()
+
+    def __subclasscheck__(self, cls):
+        self._fail()
 
     def __iter__(self):
         self._fail()
@@ -176,6 +188,9 @@ def _add_fallback(module: types.ModuleType, names: set) -> None:
 _install_placeholders()
 sys.modules["transformer_engine_torch"] = types.ModuleType("transformer_engine_torch")
 sys.modules["transformer_engine_torch"].__getattr__ = lambda attr: _missing_attr("transformer_engine_torch", attr)
+for _name, _target in _CONFIG["tex_aliases"].items():  # TE's own re-exports of tex names, given fp8kit's
+    _module, _, _attr = _target.rpartition(".")
+    setattr(sys.modules["transformer_engine_torch"], _name, getattr(importlib.import_module(_module), _attr))
 
 
 # ---- options, sampling, scope ---------------------------------------------------------------------------------------
@@ -315,6 +330,8 @@ def _first_line(excinfo) -> str:
 def _out_of_scope(excinfo) -> str | None:
     if excinfo.errisinstance(TEInternal):
         return "out of scope: TE internal"
+    if excinfo.errisinstance(BlockRecipe):
+        return "out of scope: block recipe"
     message = str(excinfo.value)
     if _GPU_ONLY.search(message):
         return "out of scope: GPU-only"
