@@ -265,13 +265,20 @@ def test_sort_chunks_by_index(with_probs):
 
 # ---- edges and errors ------------------------------------------------------------------------------------------------
 
-def test_empty_input_passes_through():
+def test_empty_input_passes_through_and_probs_get_zero_gradients():
     x = torch.zeros(0, 8, requires_grad=True)
     y, row_id_map = te.moe_permute(x, torch.zeros(0, 4, dtype=torch.bool), 0)
     assert y.shape == (0, 8) and row_id_map.numel() == 0
-    assert te.moe_unpermute(y, row_id_map, restore_shape=(0, 8)).shape == (0, 8)
-    y, pp, _ = te.moe_permute_with_probs(x, torch.zeros(0, 4), torch.zeros(0, 4, dtype=torch.bool), 0)
+    probs = torch.zeros(0, 4, requires_grad=True)
+    out = te.moe_unpermute(y, row_id_map, merging_probs=probs, restore_shape=(0, 8))
+    assert out.shape == (0, 8)
+    out.sum().backward()
+    assert x.grad.shape == (0, 8) and probs.grad.shape == (0, 4)
+    probs.grad = None
+    y, pp, _ = te.moe_permute_with_probs(x, probs, torch.zeros(0, 4, dtype=torch.bool), 0)
     assert y.shape == (0, 8) and pp.numel() == 0
+    (y.sum() + pp.sum()).backward()
+    assert probs.grad.shape == (0, 4)
 
 
 def test_bad_inputs_name_the_problem():

@@ -97,6 +97,21 @@ class _Unpermute(torch.autograd.Function):
         return grad_inp, grad_probs, None, None, None, None
 
 
+class _Empty(torch.autograd.Function):
+    """No tokens: `inp` passes through (a copy) and `probs`, if given, gets a zero gradient of its shape, as in
+    Transformer Engine. Returns `(copy, probs_out)`, `probs_out` an empty tensor connected to `probs`."""
+
+    @staticmethod
+    def forward(ctx, inp, probs):
+        ctx.probs_meta = (probs.shape, probs.dtype, probs.device) if probs is not None else None
+        return inp.clone(), (probs.new_zeros((0,)) if probs is not None else None)
+
+    @staticmethod
+    def backward(ctx, grad, _grad_probs):
+        meta = ctx.probs_meta
+        return grad, (torch.zeros(meta[0], dtype=meta[1], device=meta[2]) if meta is not None else None)
+
+
 # ---- routing maps ----------------------------------------------------------------------------------------------------
 
 def _check_inputs(name: str, inp: torch.Tensor, routing_map: torch.Tensor) -> None:
@@ -186,7 +201,7 @@ def moe_permute(inp: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: in
                              f"(0: all), got {num_out_tokens}")
         num_out_tokens = int(num_out_tokens) or total
         if not inp.numel():
-            return inp.clone(), torch.empty(0, dtype=torch.int32, device=inp.device)
+            return _Empty.apply(inp, None)[0], torch.empty(0, dtype=torch.int32, device=inp.device)
         token, slot, row, row_id_map = _index_routing(routing_map.long(), num_out_tokens)
         out, _ = _Permute.apply(inp, None, token, slot, row, num_out_tokens, False)
         return out, row_id_map
@@ -197,8 +212,8 @@ def moe_permute(inp: torch.Tensor, routing_map: torch.Tensor, num_out_tokens: in
 def _permute_mask(name, inp, routing_map, num_out_tokens, probs, pad_offsets):
     _check_inputs(name, inp, routing_map)
     if not inp.numel():
-        empty = torch.empty(0, dtype=torch.int32, device=inp.device)
-        return inp.clone(), (probs.new_zeros((0,)) if probs is not None else None), empty
+        out, permuted_probs = _Empty.apply(inp, probs)
+        return out, permuted_probs, torch.empty(0, dtype=torch.int32, device=inp.device)
     if probs is not None and probs.shape != routing_map.shape:
         raise ValueError(f"{name}: probs must have routing_map's shape {tuple(routing_map.shape)}, got "
                          f"{tuple(probs.shape)}")
@@ -263,11 +278,11 @@ def moe_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: Op
         else:
             num_tokens = row_id_map.size(0)
         if not inp.numel():
-            return inp.clone()
+            return _Empty.apply(inp, merging_probs)[0]
         token, slot, row = _routing_from_index_map(row_id_map, num_tokens)
         return _Unpermute.apply(inp, merging_probs, token, slot, row, num_tokens)
     if not inp.numel():
-        return inp.clone()
+        return _Empty.apply(inp, merging_probs)[0]
     num_tokens, hidden_size = tuple(restore_shape) if restore_shape is not None else tuple(inp.shape)
     if inp.dim() != 2 or inp.size(1) != hidden_size:
         raise ValueError(f"moe_unpermute: inp must be [num_permuted, {hidden_size}], got {tuple(inp.shape)}")
@@ -291,7 +306,8 @@ def _sort_chunks(inp, probs, split_sizes, sorted_index):
         raise ValueError(f"moe_sort_chunks_by_index: sorted_index must be a permutation of range({sizes.numel()}), "
                          f"got {order.tolist()}")
     if not inp.numel():
-        return inp.clone(), (probs.clone() if probs is not None else None)
+        out, _ = _Empty.apply(inp, probs)
+        return out, (probs.clone() if probs is not None else None)
     starts = torch.cumsum(sizes, 0) - sizes
     source = torch.cat([torch.arange(int(starts[i]), int(starts[i] + sizes[i])) for i in order.tolist()])
     source = source.to(inp.device)
