@@ -18,50 +18,29 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 import fp8kit
 import fp8kit.pytorch as te
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.bench_common import (
+    BASELINE,
+    CURRENT,
+    DELAYED,
+    Timer,
+    _data,
+    _iterations,
+    device_argument,
+    interleaved,
+    positive_int,
+    run_settings,
+)
 
-SHAPES = [(16, 64, 64), (1024, 512, 512), (4096, 1024, 1024)]
 QUICK_SHAPES = [(16, 64, 64), (128, 128, 128)]
-BASELINE = "torch bf16"
-
-
-class Timer:
-    """Times `fn` run `iters` times: CUDA events on a GPU, perf_counter elsewhere. Returns ms per iteration."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[[], None], iters: int) -> float:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / iters
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
 
 
 # ---- variants: each builds a `step()` closure running forward + backward on fixed bf16 data ----------------------
-
-def _data(shape, device):
-    m, k, n = shape
-    g = torch.Generator(device="cpu").manual_seed(0)
-    x = torch.randn(m, k, generator=g).to(device, torch.bfloat16).requires_grad_()
-    dy = torch.randn(m, n, generator=g).to(device, torch.bfloat16)
-    return x, dy
-
 
 def _torch_bf16(shape, device):
     x, dy = _data(shape, device)
@@ -127,9 +106,6 @@ def _transformer_engine(shape, device):
     return step
 
 
-CURRENT = Float8CurrentScaling(fp8_format=Format.HYBRID)
-DELAYED = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
-
 VARIANTS: List[Tuple[str, Callable]] = [
     (BASELINE, _torch_bf16),
     ("fp8kit current", _fp8kit(CURRENT, False)),
@@ -162,25 +138,6 @@ def _build(shape, device, skipped: Dict[str, str]) -> Dict[str, Callable[[], Non
         except Exception as e:  # a peer that cannot run here: note it, keep going
             skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
     return steps
-
-
-def _iterations(fn, timer: Timer, target_ms: float) -> int:
-    once = timer(fn, 1)
-    return max(1, min(1000, int(target_ms / max(once, 1e-3))))
-
-
-def interleaved(steps: Dict[str, Callable[[], None]], timer: Timer, rounds: int,
-                target_ms: float) -> Tuple[Dict[str, List[float]], Dict[str, int]]:
-    """Time every step in `rounds` interleaved rounds (the order rotates every round), each sample a batch of
-    about `target_ms` of iterations. Returns (ms per iteration of every sample, iterations per sample) by name."""
-    names = list(steps)
-    iters = {n: _iterations(steps[n], timer, target_ms) for n in names}
-    samples: Dict[str, List[float]] = {n: [] for n in names}
-    for r in range(rounds):
-        order = names[r % len(names):] + names[:r % len(names)]
-        for n in order:
-            samples[n].append(timer(steps[n], iters[n]))
-    return samples, iters
 
 
 def bench_linear(shapes, device: torch.device, rounds: int, target_ms: float) -> Tuple[List[dict], Dict[str, str]]:
@@ -277,12 +234,7 @@ def format_report(report: dict) -> str:
 def run_bench(device: str = "auto", quick: bool = False, rounds: Optional[int] = None,
               shapes: Optional[List[Tuple[int, int, int]]] = None) -> dict:
     """Run all the measurements; returns the report dict (what `--json` writes)."""
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    rounds = rounds or (3 if quick else 9)
-    target_ms = 2.0 if quick else 40.0
-    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    dev, rounds, target_ms, shapes = run_settings(device, quick, rounds, shapes, QUICK_SHAPES)
     linear, skipped = bench_linear(shapes, dev, rounds, target_ms)
     numel = (1 << 16) if quick else ((1 << 26) if dev.type == "cuda" else (1 << 22))
     return {
@@ -300,12 +252,6 @@ def run_bench(device: str = "auto", quick: bool = False, rounds: Optional[int] =
     }
 
 
-def _positive_int(text: str) -> int:
-    from fp8kit.cli import _positive_int as parse
-
-    return parse(text)
-
-
 def _shape(text: str) -> Tuple[int, int, int]:
     try:
         m, k, n = (int(v) for v in text.lower().split("x"))
@@ -321,7 +267,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "with --compile one shape and a one-layer GPT (compiling takes most of its time)")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     parser.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
-    parser.add_argument("--rounds", type=_positive_int, help="interleaved rounds per shape (default 9, --quick 3)")
+    parser.add_argument("--rounds", type=positive_int, help="interleaved rounds per shape (default 9, --quick 3)")
     parser.add_argument("--shape", type=_shape, action="append", dest="shapes", metavar="MxKxN",
                         help="a shape to time instead of the defaults (repeatable)")
     parser.add_argument("--memory", action="store_true", help="instead of timing: parameter and training-step memory "
@@ -335,8 +281,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from fp8kit.cli import device_argument
-
     if args.memory and args.compile:
         parser.error("argument --compile: not allowed with argument --memory")
     if args.compile:

@@ -37,7 +37,7 @@ import torch
 
 import fp8kit
 import fp8kit.pytorch as te
-from fp8kit.bench import CURRENT, DELAYED, SHAPES, Timer, interleaved
+from fp8kit.bench_common import CURRENT, DELAYED, Timer, _data, interleaved, run_settings
 
 __all__ = ["run_compile_bench", "format_compile_report", "GPT_CONFIG", "QUICK_GPT_CONFIG", "QUICK_SHAPES",
            "BACKENDS"]
@@ -80,8 +80,6 @@ def _float8_linear(model: torch.nn.Module, device: torch.device) -> torch.nn.Mod
 # ---- Linear forward + backward ----------------------------------------------------------------------------------
 
 def _linear_step(kind: str, shape, device: torch.device, compiled: bool, backend: str) -> Callable[[], None]:
-    from fp8kit.bench import _data
-
     x, dy = _data(shape, device)
     if kind in RECIPES:
         layer = te.Linear(shape[1], shape[2], device=device, params_dtype=torch.bfloat16)
@@ -226,12 +224,7 @@ def run_compile_bench(device: str = "cpu", quick: bool = False, rounds: Optional
     log = log or (lambda line: None)
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    rounds = rounds or (3 if quick else 9)
-    target_ms = 2.0 if quick else 40.0
-    shapes = shapes or (QUICK_SHAPES if quick else SHAPES)
+    dev, rounds, target_ms, shapes = run_settings(device, quick, rounds, shapes, QUICK_SHAPES)
     gpt = dict(gpt or (QUICK_GPT_CONFIG if quick else GPT_CONFIG))
     skipped: Dict[str, str] = {}
     linear, started = [], time.perf_counter()

@@ -15,7 +15,6 @@ What is measured, per variant:
 
 from __future__ import annotations
 
-import contextlib
 from typing import Dict, List, Optional
 
 import torch
@@ -23,6 +22,7 @@ import torch
 import fp8kit
 import fp8kit.pytorch as te
 from fp8kit.demo.model import GPT, GPTConfig
+from fp8kit.pytorch.fp8_weights import default_dtype as _default_dtype
 from fp8kit.pytorch.tensor.float8_tensor import Float8Tensor
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -45,16 +45,6 @@ def tensor_bytes(t: Optional[torch.Tensor]) -> int:
     if isinstance(t, Float8Tensor):
         return sum(x.numel() * x.element_size() for x in (t._data, t.scale_inv, t._transpose) if x is not None)
     return t.numel() * t.element_size()
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
 
 
 def _build(fp8_weights: bool, recipe, cfg: dict, device: torch.device):

@@ -10,6 +10,8 @@ import sys
 from typing import List, Optional
 
 import fp8kit
+from fp8kit.bench_common import device_argument
+from fp8kit.bench_common import positive_int as _positive_int
 
 PRESETS = {
     # The three default runs take about 2m10s on an idle 2-core CPU (see docs/demo.md).
@@ -25,16 +27,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str):
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _positive_float(text: str) -> float:
@@ -107,23 +99,6 @@ def build_parser() -> argparse.ArgumentParser:
         "bench", help="time Linear forward+backward in FP8 against bf16 and peers; quantize throughput",
         description=bench.__doc__.split("\n\n")[0]))
     return parser
-
-
-def device_argument(parser: argparse.ArgumentParser, text: str) -> str:
-    """`--device` as a torch device string ("auto" resolved); a bad or unavailable device is a usage error."""
-    import torch
-
-    if text == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        parser.error(f"argument --device: unknown device {text!r}")
-    if device.type not in ("cpu", "cuda"):
-        parser.error(f"argument --device: expected auto, cpu or cuda[:N], got {text!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        parser.error(f"argument --device: {text} requested but CUDA is not available")
-    return str(device)
 
 
 def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

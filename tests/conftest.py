@@ -57,7 +57,8 @@ def _selected_checks(session, fixture):
         check = item.callspec.params.get("check") if hasattr(item, "callspec") else None
         if check and fixture in item.fixturenames and check not in checks:
             checks.append(check)
-    return sorted(checks, key=lambda c: c.startswith("rule_"))
+    # rule checks after the others (they break collectives on purpose); rule_peer_stops ends the processes: last
+    return sorted(checks, key=lambda c: (c.startswith("rule_"), c == "rule_peer_stops"))
 
 
 @pytest.fixture(scope="session")

@@ -57,6 +57,7 @@ from dist_workers_rules import (  # noqa: E402, F401
     check_rule_different_groups,
     check_rule_different_reduce_amax,
     check_rule_no_grad_step,
+    check_rule_peer_stops,
     check_rule_slow_rank_is_fine,
 )
 from dist_workers_tp import check_tp_dp_4_ranks, check_tp_linear, check_tp_mlp_bf16  # noqa: E402, F401

@@ -5,19 +5,23 @@ one. Every case uses its own recipe (its own autocast key), so a broken key leav
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
 import fp8kit.pytorch as te
+from fp8kit.pytorch.dist_rules import rule_check
 from fp8kit.pytorch.distributed import DistributedRuleError
 from fp8kit.recipe import DelayedScaling
 
 from dist_common import RANK
 
 
-def _expect_rule_error(run, *needles, limit=20.0):
+def _expect_rule_error(run, *needles, limit=20.0, barrier=True):
     start = time.time()
     try:
         run()
@@ -29,7 +33,8 @@ def _expect_rule_error(run, *needles, limit=20.0):
     assert took < limit, f"the error took {took:.1f} s"
     for needle in needles:
         assert needle in message, f"{needle!r} not in: {message}"
-    dist.barrier()  # the ranks are aligned again (every rank raised)
+    if barrier:
+        dist.barrier()  # the ranks are aligned again (every rank raised)
     return message
 
 
@@ -100,3 +105,46 @@ def check_rule_slow_rank_is_fine():
             time.sleep(1.5)  # in the steady state: the all-reduce waits
         _steps(layer, recipe, 1)
     assert layer.fp8_meta["scaling_fwd"].update_count == 4
+
+
+def _stop_process(check: str) -> None:
+    """Record `check` as passed on this rank and end the process at once, as a rank does after an uncaught error
+    (no barrier, no destroy_process_group)."""
+    path = os.path.join(os.environ["FP8KIT_TEST_OUT"], f"result{RANK}.json")
+    results = json.load(open(path)) if os.path.exists(path) else {}
+    results[check] = {"ok": True, "error": "", "seconds": 0.0}
+    with open(path + ".tmp", "w") as fh:
+        json.dump(results, fh)
+    os.replace(path + ".tmp", path)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def check_rule_peer_stops():
+    """A rank that stops during a rule check leaves its peers an fp8kit DistributedRuleError that says which rank
+    and where to look, within seconds, instead of torch's connection errors or a wait that never ends. Last of the
+    2-rank checks: both processes end here."""
+    # 1. Rank 1 raises a rule error (posted to the store) while rank 0 waits for it at a new key's handshake.
+    te.distributed.apply_pending_updates()  # the earlier checks' deferred backward updates, on both ranks
+    layer = te.Linear(16, 16)
+    if RANK == 1:
+        time.sleep(0.5)  # rank 0 is waiting by now
+        try:
+            with rule_check("a test check", (DelayedScaling(amax_history_len=18), None)):
+                raise DistributedRuleError("fp8kit: rank 1 broke a rule (a test)")
+        except DistributedRuleError:
+            pass
+    else:
+        _expect_rule_error(lambda: _steps(layer, DelayedScaling(amax_history_len=18), 1), "waited for ranks [1]",
+                           "rank 1 raised 'fp8kit: rank 1 broke a rule (a test)'", "See that rank's error",
+                           barrier=False)
+    dist.barrier()
+    # 2. Rank 0, which serves torch.distributed's store, stops; rank 1 is at a new key's handshake (a store read).
+    if RANK == 0:
+        _stop_process("rule_peer_stops")
+    time.sleep(0.5)
+    message = _expect_rule_error(lambda: _steps(layer, DelayedScaling(amax_history_len=19), 1),
+                                 "fp8kit: rank 1 could not finish the forward amax reduction",
+                                 "rank 0 failed a rule check (see its error)", barrier=False)
+    assert "Connection" in message or "Dist" in message, message  # torch's cause is quoted, not thrown
+    _stop_process("rule_peer_stops")

@@ -148,3 +148,150 @@ class DelayedState:
             self.scale = np.asarray(self.scale_algo(a, self.scale.copy(), self.fp8_max, self.recipe), dtype=np.float32)
         else:
             self.scale = np.array([self._new_scale(a[j], self.scale[j]) for j in range(len(a))], dtype=np.float32)
+
+
+# ---- block-scaled formats (SPEC section 12; docs/numerics.md) ---------------------------------------------------
+# Written from the rules, not from fp8kit: the E8M0 exponent as the ceiling of log2 (np.frexp), the power-of-two
+# block scale as 2^floor(log2) (np.frexp), values decoded with ml_dtypes.float8_e8m0fnu.
+
+E8M0 = ml_dtypes.float8_e8m0fnu
+
+
+def fp8_bytes(y: np.ndarray, fmt: str) -> np.ndarray:
+    """FP8 bytes of the float32 array `y`: saturate to +-max (inf included), round to nearest even; a NaN becomes
+    0x7F with its sign bit (torch's byte; ml_dtypes writes 0x7E for E5M2)."""
+    dtype, fp8_max = FP8[fmt]
+    y = np.asarray(y, dtype=np.float32)
+    nan = np.isnan(y)
+    q = np.clip(np.where(nan, 0, y), -fp8_max, fp8_max).astype(np.float32).astype(dtype).view(np.uint8)
+    nan_byte = np.where(np.signbit(y), 0xFF, 0x7F).astype(np.uint8)
+    return np.where(nan, nan_byte, q).astype(np.uint8)
+
+
+def block_amax(tiles: np.ndarray, axes) -> np.ndarray:
+    """max |x| per block over `axes`, NaN ignored (an all-NaN block has amax 0)."""
+    a = np.abs(np.asarray(tiles, dtype=np.float32))
+    return np.where(np.isnan(a), 0, a).max(axis=axes).astype(np.float32)
+
+
+def e8m0_scale(amax: np.ndarray, fmt: str) -> np.ndarray:
+    """MXFP8 scale bytes: v = float32(amax * float32(1 / fp8_max)); the smallest e in [0, 254] with
+    2^(e - 127) >= v (v = 0 -> 0, inf -> 254 saturated, NaN -> 255)."""
+    fp8_max = FP8[fmt][1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = np.asarray(amax, dtype=np.float32) * np.float32(1.0 / fp8_max)
+    mant, ex = np.frexp(np.where(np.isfinite(v) & (v > 0), v, 1.0).astype(np.float64))
+    ceil_log2 = np.where(mant == 0.5, ex - 1, ex)
+    code = np.clip(ceil_log2 + 127, 0, 254)
+    code = np.where(v == 0, 0, code)
+    code = np.where(np.isinf(v), 254, code)
+    code = np.where(np.isnan(v), 255, code)
+    return code.astype(np.uint8)
+
+
+def e8m0_value(code: np.ndarray) -> np.ndarray:
+    """The value of E8M0 bytes (2^(code - 127); 255 is NaN), through ml_dtypes."""
+    return np.asarray(code, dtype=np.uint8).view(E8M0).astype(np.float32)
+
+
+def mxfp8_quantize(x: np.ndarray, fmt: str, block: tuple) -> tuple:
+    """MXFP8 of the 2-D float32 array `x` with `block` = (1, 32), (32, 1) or (32, 32): (FP8 bytes, E8M0 bytes per
+    block). Each element is multiplied in float32 by 2^(127 - code), then cast."""
+    m, k = x.shape
+    br, bk = block
+    tiles = np.asarray(x, dtype=np.float32).reshape(m // br, br, k // bk, bk)
+    code = e8m0_scale(block_amax(tiles, (1, 3)), fmt)
+    factor = (2.0 ** (127.0 - code.astype(np.float64))).astype(np.float32)  # exact: 2^-127 .. 2^127
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = tiles * factor[:, None, :, None]
+    return fp8_bytes(y, fmt).reshape(m, k), code
+
+
+def block_scale(amax: np.ndarray, fmt: str, power_2: bool, epsilon: float, value_for_inf: float) -> tuple:
+    """Float8 block scaling: (scale, scale_inv) per block. amax floored at float32(epsilon); scale = float32(fp8_max
+    / amax), an infinite quotient becomes `value_for_inf`; power_2 rounds it down to 2^floor(log2); amax 0, inf or
+    NaN -> 1; scale_inv = float32(1 / scale)."""
+    fp8_max = FP8[fmt][1]
+    a = np.maximum(np.asarray(amax, dtype=np.float32), np.float32(epsilon))
+    bad = (a == 0) | ~np.isfinite(a)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s = np.float32(fp8_max) / np.where(bad, np.float32(1), a)
+    s = np.where(np.isinf(s), np.float32(value_for_inf), s).astype(np.float32)
+    if power_2:
+        mant, ex = np.frexp(s.astype(np.float64))
+        s = np.ldexp(1.0, ex - 1).astype(np.float32)
+    s = np.where(bad, np.float32(1), s).astype(np.float32)
+    with np.errstate(divide="ignore", over="ignore"):
+        return s, (np.float32(1) / s).astype(np.float32)
+
+
+def float8_block_quantize(x: np.ndarray, fmt: str, tile: tuple, power_2: bool = True, epsilon: float = 0.0,
+                          value_for_inf: float = float(np.finfo(np.float32).max)) -> tuple:
+    """Float8 block scaling of the 2-D float32 array `x` with `tile` (1, 128) or (128, 128), edge blocks shorter:
+    (FP8 bytes (M, K), scale_inv per block (ceil(M / tile[0]), ceil(K / 128)))."""
+    m, k = x.shape
+    tm, tk = tile
+    mb, kb = -(-m // tm), -(-k // tk)
+    padded = np.zeros((mb * tm, kb * tk), dtype=np.float32)
+    padded[:m, :k] = x
+    tiles = padded.reshape(mb, tm, kb, tk)
+    scale, scale_inv = block_scale(block_amax(tiles, (1, 3)), fmt, power_2, epsilon, value_for_inf)
+    with np.errstate(over="ignore", invalid="ignore"):
+        y = tiles * scale[:, None, :, None]
+    return fp8_bytes(y, fmt).reshape(mb * tm, kb * tk)[:m, :k], scale_inv
+
+
+def fp8_values(q_bytes: np.ndarray, fmt: str) -> np.ndarray:
+    """The float64 values of FP8 bytes."""
+    return np.asarray(q_bytes, dtype=np.uint8).view(FP8[fmt][0]).astype(np.float64)
+
+
+def round_f32(v) -> np.float32:
+    """The exact rational `v` (a fractions.Fraction) rounded to float32, to nearest, ties to even."""
+    from fractions import Fraction
+
+    f = np.float32(float(v))
+    cands = [np.nextafter(f, np.float32(-np.inf)), f, np.nextafter(f, np.float32(np.inf))]
+    cands = [c for c in cands if np.isfinite(c)]
+
+    def key(c):
+        return abs(Fraction(float(c)) - v), int(np.array(c, dtype=np.float32).view(np.uint32)) & 1
+
+    return np.float32(min(cands, key=key))
+
+
+def fma_f32(a: np.ndarray, b: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """float32 fused multiply-add, elementwise, rounded once: where the float64 sum of the (exact) float64 product
+    and c is exact (its TwoSum error is 0) that sum is rounded to float32; elsewhere the exact value is built with
+    fractions and rounded."""
+    from fractions import Fraction
+
+    a, b, c = np.broadcast_arrays(np.asarray(a, np.float32), np.asarray(b, np.float32), np.asarray(c, np.float32))
+    p = a.astype(np.float64) * b
+    s = p + c
+    bb = s - p
+    err = (p - (s - bb)) + (c - bb)
+    out = s.astype(np.float32)
+    for i in zip(*np.nonzero(err != 0)):
+        out[i] = round_f32(Fraction(float(a[i])) * Fraction(float(b[i])) + Fraction(float(c[i])))
+    return out
+
+
+def block_gemm(qa: np.ndarray, sa: np.ndarray, qb: np.ndarray, sb: np.ndarray, block: int, a_1d: bool = True,
+               b_1d: bool = True) -> np.ndarray:
+    """A @ B^T in the order docs/numerics.md writes down: FP8 values qa (M, K) and qb (N, K) as float64, float32
+    scales per (row, K block) sa (M, nb) and sb (N, nb); per K block j: P = float32(exact float64 sum),
+    then y = fma(P * s1, s2, y) (s1 the 1-D operand's scale, A's first) or y = fma(P, sa * sb, y) for 2-D x 2-D."""
+    m, k = qa.shape
+    y = np.zeros((m, qb.shape[0]), dtype=np.float32)
+    for j in range(-(-k // block)):
+        blk = slice(j * block, (j + 1) * block)
+        p = (qa[:, blk] @ qb[:, blk].T).astype(np.float32)
+        a_s, b_s = sa[:, j, None].astype(np.float32), sb[None, :, j].astype(np.float32)
+        if not a_1d and not b_1d:
+            y = fma_f32(p, a_s * b_s, y)
+        elif not a_1d:
+            y = fma_f32(p * b_s, a_s, y)
+        else:
+            y = fma_f32(p * a_s, b_s, y)
+    return y

@@ -86,3 +86,51 @@ def test_converting_something_does_not_warn():
 def test_bad_module_filter():
     with pytest.raises(TypeError, match="module_filter must be callable"):
         te.convert_model(Block(), module_filter="up")
+
+
+class _Doubler(torch.nn.Module):
+    """A layer type of an imagined integration: y = 2 x W.T."""
+
+    def __init__(self, n_in, n_out):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(n_out, n_in))
+
+    def forward(self, x):
+        return 2 * torch.nn.functional.linear(x, self.weight)
+
+
+def test_integrations_register_layer_types(monkeypatch):
+    """convert_model's table of layer types: what an integration registers is converted, by exact type, with the
+    shape check of the core; the core knows no integration."""
+    from fp8kit.pytorch import convert
+
+    monkeypatch.setattr(convert, "_CONVERTERS", dict(convert._CONVERTERS))
+
+    def to_fp8(layer):
+        new = te.Linear(layer.weight.shape[1], layer.weight.shape[0], bias=False, device="meta")
+        new.weight = layer.weight
+        return new
+
+    convert.register_converter(_Doubler, lambda layer: (layer.weight.shape[1], layer.weight.shape[0]), to_fp8,
+                               "Doubler")
+    model = torch.nn.Sequential(_Doubler(16, 32), _Doubler(16, 10))
+    weight = model[0].weight
+    with pytest.warns(UserWarning, match=r"1 \(out_features=10 is not a multiple of 16\)"):
+        te.convert_model(model)
+    assert type(model[0]) is te.Linear and model[0].weight is weight and type(model[1]) is _Doubler
+    with pytest.raises(TypeError, match="torch.nn.Module subclass"):
+        convert.register_converter(int, len, len, "int")
+
+
+def test_a_layer_type_an_unimported_integration_converts_warns_with_the_import(monkeypatch):
+    """A layer known to an integration that is not imported is left alone, with a warning naming the import."""
+    from fp8kit.pytorch import convert
+
+    fake = type("Conv1D", (torch.nn.Module,), {"__module__": "transformers.pytorch_utils"})
+    monkeypatch.setattr(convert, "_CONVERTERS", {k: v for k, v in convert._CONVERTERS.items()
+                                                 if k.__name__ != "Conv1D"})
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), fake(), fake())
+    with pytest.warns(UserWarning, match=r"left 2 layers alone that fp8kit.integrations.hf_conv1d converts \(1, 2\): "
+                                         r"import fp8kit.integrations.hf_conv1d"):
+        te.convert_model(model)
+    assert type(model[0]) is te.Linear and type(model[1]) is fake

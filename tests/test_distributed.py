@@ -26,7 +26,7 @@ TWO_RANKS = ["amax_reduction", "moe_skip", "unused_key_keeps_state", "registrati
              "tp_mlp_bf16", "ddp", "ddp_unused_expert", "fsdp2",
              "tp_layernorm_mlp", "tp_layernorm_linear"]  # the last two: tests/dist_workers_mlp.py
 RULES = ["rule_caught_exception", "rule_no_grad_step", "rule_different_groups", "rule_different_reduce_amax",
-         "rule_slow_rank_is_fine"]
+         "rule_slow_rank_is_fine", "rule_peer_stops"]  # rule_peer_stops ends the processes: it runs last
 FOUR_RANKS = ["tp_dp_4_ranks", "moe_skip", "amax_reduction"]
 
 

@@ -8,6 +8,7 @@ import io
 import math
 import os
 import pickle
+import re
 import subprocess
 import sys
 
@@ -219,22 +220,55 @@ def _trained_state_dict():
     return layer.state_dict()
 
 
+_COUNT = r"must be an integer in \[0, 2\*\*63 - 1\]"
+
+
 @pytest.mark.parametrize("key,value,match", [
     ("fp8_meta.scaling_fwd.scale", torch.tensor([1e39, 1.0, 1.0], dtype=torch.float64), "not finite and within"),
     ("fp8_meta.scaling_fwd.scale", torch.tensor([1e-46, 1.0, 1.0], dtype=torch.float64), "not finite and within"),
+    ("fp8_meta.scaling_fwd.scale", torch.ones(3, dtype=torch.int32), "must be floating"),
+    ("fp8_meta.scaling_fwd.scale", torch.ones(4), r"must have shape \[3\]"),
     ("fp8_meta.scaling_fwd.amax_history", -torch.ones(4, 3), "negative"),
+    ("fp8_meta.scaling_fwd.amax_history", torch.tensor([[0.5, float("nan"), 1.0]] * 4), "holds NaN"),
+    ("fp8_meta.scaling_fwd.amax_history", torch.full((4, 3), 1e39, dtype=torch.float64), "beyond float32's range"),
+    ("fp8_meta.scaling_fwd.amax_history", torch.ones(4, 2), r"must have shape \[L >= 1, 3\]"),
+    ("fp8_meta.scaling_fwd.amax_history", torch.ones(4, 3, dtype=torch.bool), "real number tensor"),
+    ("fp8_meta.scaling_bwd.amax_history", torch.ones(4, 2, dtype=torch.int64), "must be floating"),
     ("fp8_meta.scaling_bwd.update_count", torch.tensor([1, 2]), r"shape \[\] or \[1\]"),
-    ("fp8_meta.scaling_bwd.update_count", torch.tensor(float("nan")), "integer >= 0"),
-    ("fp8_meta.scaling_bwd.update_count", torch.tensor(-1), "integer >= 0"),
-    ("fp8_meta.scaling_bwd.update_count", torch.tensor(1.5), "integer >= 0"),
+    ("fp8_meta.scaling_bwd.update_count", torch.tensor(float("nan")), _COUNT),
+    ("fp8_meta.scaling_bwd.update_count", torch.tensor(float("inf")), _COUNT),
+    ("fp8_meta.scaling_bwd.update_count", torch.tensor(-1), _COUNT),
+    ("fp8_meta.scaling_bwd.update_count", torch.tensor(1.5), _COUNT),
+    ("fp8_meta.scaling_bwd.update_count", torch.tensor(1e30, dtype=torch.float64), _COUNT),
+    ("fp8_meta.scaling_bwd.update_count", torch.tensor(2.0 ** 63, dtype=torch.float64), _COUNT),
+    ("fp8_meta.scaling_bwd.update_count", torch.tensor(True), "real number tensor"),
     ("fp8_meta.scaling_bwd.update_count", 3, "must be a tensor"),
 ])
-def test_bad_checkpoint_entries_name_the_key(key, value, match):
+def test_bad_checkpoint_entries_name_the_key_and_load_nothing(key, value, match):
+    """Every bad FP8 entry raises a ValueError naming its key, before anything of the module (its weights
+    included) is loaded: the module's whole state_dict is the same afterwards."""
     sd = dict(_trained_state_dict(), **{key: value})
+    sd["weight"] = sd["weight"] + 1.0  # a good entry that must not load either
     layer = te.Linear(16, 16)
-    with pytest.raises(RuntimeError, match=rf"{key.rsplit('.', 1)[0]}: .*{match}"):
+    with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        layer(torch.randn(4, 16)).sum().backward()  # some FP8 state of its own
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=rf"{re.escape(key)}: .*{match}"):
         layer.load_state_dict(sd)
-    assert layer.fp8_meta["scaling_fwd"] is None  # nothing half-loaded
+    after = layer.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    fresh = te.Linear(16, 16)
+    with pytest.raises(RuntimeError, match=re.escape(key)):  # also what torch's load_state_dict errors are
+        fresh.load_state_dict(sd, strict=False)
+    assert fresh.fp8_meta["scaling_fwd"] is None  # nothing half-loaded
+
+
+def test_counts_up_to_int64_load_exactly():
+    sd = _trained_state_dict()
+    for count in (torch.tensor(2 ** 63 - 1), torch.tensor([7], dtype=torch.int32), torch.tensor(5.0)):
+        layer = te.Linear(16, 16)
+        layer.load_state_dict(dict(sd, **{"fp8_meta.scaling_bwd.update_count": count}))
+        assert layer.fp8_meta["scaling_bwd"].update_count == int(count.reshape(()).item())
 
 
 def test_misspelt_fp8_meta_keys_are_unexpected_under_strict():

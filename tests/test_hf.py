@@ -164,6 +164,20 @@ def test_conv1d_construction_and_stats():
     assert {(r["module"], r["role"]) for r in rows} == {("0", "input"), ("0", "weight")}
 
 
+def test_a_bad_fp8_entry_loads_nothing_of_a_conv1d():
+    """The FP8 entries are checked before the Conv1D's own parameters load (all or nothing, as for Linear)."""
+    torch.manual_seed(0)
+    layer = Conv1D(32, 16)
+    with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
+        layer(torch.randn(4, 16)).sum().backward()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    bad = {k: v + 1 for k, v in before.items()}
+    bad["fp8_meta.scaling_fwd.update_count"] = torch.tensor(1e30, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"fp8_meta.scaling_fwd.update_count: must be an integer"):
+        layer.load_state_dict(bad)
+    assert all(torch.equal(v, before[k]) for k, v in layer.state_dict().items())
+
+
 def test_fp8_checkpoint_loads_into_the_stock_class_and_back(text):
     torch.manual_seed(0)
     model = te.convert_model(gpt2())

@@ -16,8 +16,9 @@ RECIPES = [DelayedScaling(amax_history_len=3), Float8CurrentScaling()]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
 def test_norms_equal_torch_bit_for_bit(kind, dtype):
+    """float32: torch's norm itself; bf16: torch's norm on the float32 operands, each result rounded once to bf16."""
     ours = getattr(te, kind)(24, eps=1e-6, params_dtype=dtype)
-    theirs = getattr(torch.nn, kind)(24, eps=1e-6, dtype=dtype)
+    theirs = getattr(torch.nn, kind)(24, eps=1e-6, dtype=torch.float32)
     with torch.no_grad():
         ours.weight.uniform_(0.5, 1.5)
         theirs.weight.copy_(ours.weight)
@@ -26,13 +27,102 @@ def test_norms_equal_torch_bit_for_bit(kind, dtype):
             theirs.bias.copy_(ours.bias)
     x = torch.randn(3, 5, 24, dtype=dtype)
     xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
-    ya, yb = ours(xa), theirs(xb)
-    assert torch.equal(ya, yb)
+    ya, yb = ours(xa), theirs(xb.float()).to(dtype)
+    assert ya.dtype == dtype and torch.equal(ya, yb)
     g = torch.randn_like(ya)
     ya.backward(g)
     yb.backward(g)
-    assert torch.equal(xa.grad, xb.grad) and torch.equal(ours.weight.grad, theirs.weight.grad)
+    assert torch.equal(xa.grad, xb.grad) and torch.equal(ours.weight.grad, theirs.weight.grad.to(dtype))
     assert [n for n, _ in ours.named_parameters()] == [n for n, _ in theirs.named_parameters()]
+
+
+def _norm64(kind, x, gamma, beta, eps):
+    """The norm and its gradients' graph in float64 (the reference TE's tests accumulate in float32)."""
+    if kind == "LayerNorm":
+        return F.layer_norm(x, x.shape[-1:], gamma, beta, eps)
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * gamma
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+@pytest.mark.parametrize("zero_centered", [False, True])
+@pytest.mark.parametrize("module", ["norm", "LayerNormLinear"])
+def test_norm_forward_and_backward_round_once_from_float32(kind, dtype, zero_centered, module):
+    """Each of y, dx, dgamma, dbeta is within one rounding (half an ulp, plus float32 sums) of the float64 values of
+    the same bf16/fp16 operands; torch's reduced-precision CPU kernels put dbeta off by whole units."""
+    torch.manual_seed(7)
+    rows, hidden = 512, 64
+    if module == "norm":
+        m = getattr(te, kind)(hidden, params_dtype=dtype, zero_centered_gamma=zero_centered)
+        w, b = m.weight, getattr(m, "bias", None)
+        run = m
+    else:
+        m = te.LayerNormLinear(hidden, 16, normalization=kind, params_dtype=dtype, zero_centered_gamma=zero_centered,
+                               return_layernorm_output=True)
+        w, b = m.layer_norm_weight, m.layer_norm_bias
+        run = lambda t: m(t)[1]  # noqa: E731  (the norm's output; the GEMM's gradient is not under test)
+    with torch.no_grad():
+        w.uniform_(-0.5, 0.5) if zero_centered else w.uniform_(0.5, 1.5)
+        if b is not None:
+            b.uniform_(-1, 1)
+    x = (torch.randn(rows, hidden) * 3 + 1).to(dtype).requires_grad_()
+    dy = torch.randn(rows, hidden).to(dtype)
+    y = run(x)
+    y.backward(dy)
+    params64 = [p.detach().double().requires_grad_() for p in (w, b) if p is not None]
+    x64 = x.detach().double().requires_grad_()
+    gamma64 = params64[0] + 1 if zero_centered else params64[0]
+    y64 = _norm64(kind, x64, gamma64, params64[1] if b is not None else None, 1e-5)
+    y64.backward(dy.double())
+    ulp = 2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -10
+    got = [y, x.grad] + [p.grad for p in (w, b) if p is not None]
+    want = [y64, x64.grad] + [p.grad for p in params64]
+    for name, g, r in zip(["y", "dx", "dgamma", "dbeta"], got, want):
+        assert g.dtype == dtype, name
+        r = r.detach()
+        # half an ulp of the result's binade, and float32 sums over `rows` terms of the magnitudes
+        bound = ulp * r.abs() + 1e-6 * r.abs().max()
+        assert torch.all((g.double() - r).abs() <= bound), (name, ((g.double() - r).abs() - bound).max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])
+def test_non_contiguous_input_gives_the_contiguous_result_exactly(kind, dtype):
+    a = torch.randn(128, 256).to(dtype).requires_grad_()
+    outs = []
+    for x in (a.T, a.T.contiguous()):
+        norm = getattr(te, kind)(128, params_dtype=dtype)
+        y = norm(x)
+        y.square().sum().backward()
+        outs.append([y] + [p.grad for p in norm.parameters()])
+    for u, v in zip(*outs):
+        assert torch.equal(u, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_norm_outputs_have_the_autocast_dtype(dtype):
+    """Inside torch.autocast, Transformer Engine's norms return the autocast dtype (float32 parameters and input),
+    computed from the operands cast to it."""
+    torch.manual_seed(8)
+    x = torch.randn(4, 6, 32)
+    for kind in ("LayerNorm", "RMSNorm"):
+        norm = getattr(te, kind)(32)
+        with torch.no_grad():
+            norm.weight.uniform_(0.5, 1.5)
+        with torch.autocast("cpu", dtype=dtype):
+            y = norm(x)
+        ops = [t.to(dtype).float() for t in (x, norm.weight, getattr(norm, "bias", None)) if t is not None]
+        want = F.layer_norm(ops[0], (32,), *ops[1:]) if kind == "LayerNorm" else F.rms_norm(ops[0], (32,), ops[1], 1e-5)
+        assert y.dtype == dtype and torch.equal(y, want.to(dtype))
+        lnl = te.LayerNormLinear(32, 16, normalization=kind, return_layernorm_output=True)
+        with torch.autocast("cpu", dtype=dtype):
+            out, ln_out = lnl(x)
+        assert out.dtype == dtype and ln_out.dtype == dtype
+        mlp = te.LayerNormMLP(32, 64, normalization=kind, return_layernorm_output=True)
+        with torch.autocast("cpu", dtype=dtype):
+            out, ln_out = mlp(x)
+        assert out.dtype == dtype and ln_out.dtype == dtype
+    assert te.LayerNorm(32)(x.bfloat16()).dtype == torch.float32  # outside autocast: the weight's dtype, as TE
 
 
 @pytest.mark.parametrize("kind", ["LayerNorm", "RMSNorm"])

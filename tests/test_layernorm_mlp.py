@@ -318,8 +318,8 @@ def test_bad_arguments_are_named():
         te.LayerNormMLP(16, 32, normalization="BatchNorm")
     with pytest.raises(ValueError, match="ffn_hidden_size=32 is not divisible by the tensor-parallel size 3"):
         te.LayerNormMLP(16, 32, set_parallel_mode=True, tp_size=3)
-    with pytest.raises(ValueError, match="ffn_hidden_size must be an int >= 1, got 0"):
-        te.LayerNormMLP(16, 0)
+    with pytest.raises(ValueError, match="ffn_hidden_size must be an int >= 0, got -1"):
+        te.LayerNormMLP(16, -1)
     with pytest.raises(ValueError, match="takes no activation_params"):
         te.LayerNormMLP(16, 32, activation="gelu", activation_params={"limit": 3.0})
     with pytest.raises(ValueError, match="unknown activation_params"):

@@ -186,3 +186,100 @@ def test_userbuffer_options_are_accepted_and_change_nothing():
 def test_fp8_output_is_a_clear_error():
     with pytest.raises(NotImplementedError, match="fp8_output"):
         te.Linear(16, 16)(torch.randn(2, 16), fp8_output=True)
+
+
+# ---- fuse_wgrad_accumulation in any precision (Transformer Engine puts dW into main_grad whenever it is set) ----
+
+_FUSED_MODULES = {
+    "Linear": (lambda **kw: te.Linear(16, 32, **kw), lambda m, x, first: m(x, is_first_microbatch=first)),
+    "LayerNormLinear": (lambda **kw: te.LayerNormLinear(16, 32, **kw),
+                        lambda m, x, first: m(x, is_first_microbatch=first)),
+    "LayerNormMLP": (lambda **kw: te.LayerNormMLP(16, 32, **kw), lambda m, x, first: m(x, is_first_microbatch=first)),
+    "GroupedLinear": (lambda **kw: te.GroupedLinear(2, 16, 32, **kw),
+                      lambda m, x, first: m(x, [3, 5], is_first_microbatch=first)),
+}
+
+
+def _gemm_weights(m):
+    return [(n, p) for n, p in m.named_parameters() if "weight" in n and not n.startswith("layer_norm")]
+
+
+@pytest.mark.parametrize("kind", list(_FUSED_MODULES))
+@pytest.mark.parametrize("precision", ["plain", "fp8kit_disabled", "torch_autocast"])
+def test_fuse_wgrad_accumulation_puts_dw_into_main_grad_in_any_precision(kind, precision):
+    import contextlib
+    import copy
+
+    make, call = _FUSED_MODULES[kind]
+    dtype = torch.bfloat16 if precision == "plain" else torch.float32
+    torch.manual_seed(3)
+    fused = make(fuse_wgrad_accumulation=True, params_dtype=dtype)
+    with torch.no_grad():
+        for p in fused.parameters():
+            p.uniform_(-1, 1)
+    ref = copy.deepcopy(fused).double()  # the plain float64 gradients
+    ref.fuse_wgrad_accumulation = False
+    for _, w in _gemm_weights(fused):
+        w.main_grad = torch.full(w.shape, 5.0)  # stale: the first microbatch (is_first_microbatch=True) overwrites it
+    ctx = {"plain": contextlib.nullcontext, "fp8kit_disabled": lambda: te.autocast(enabled=False),
+           "torch_autocast": lambda: torch.autocast("cpu", dtype=torch.bfloat16)}[precision]
+    for first in (True, False):
+        x = torch.randn(8, 16).to(dtype)
+        dy = torch.randn(8, 16 if kind == "LayerNormMLP" else 32)
+        with ctx():
+            y = call(fused, x, first)
+        dy = dy.to(y.dtype)
+        y.backward(dy)
+        call(ref, x.double(), None).backward(dy.double())
+    for (name, w), (_, w64) in zip(_gemm_weights(fused), _gemm_weights(ref)):
+        assert w.grad is None, name
+        assert w.main_grad.dtype == torch.float32
+        # a single GEMM: float32 sums of products of the rounded operands; behind a norm or an activation the
+        # operands themselves are rounded to the activation dtype
+        exact = kind in ("Linear", "GroupedLinear") and precision != "torch_autocast"
+        tol = 1e-5 if exact else (2e-2 if dtype == torch.bfloat16 or precision == "torch_autocast" else 1e-5)
+        torch.testing.assert_close(w.main_grad.double(), w64.grad, rtol=tol, atol=tol * w64.grad.abs().max())
+    bias = [p for n, p in fused.named_parameters() if "bias" in n and p is not None]
+    assert all(b.grad is not None for b in bias)  # only weight gradients go to main_grad
+
+
+@pytest.mark.parametrize("kind", list(_FUSED_MODULES))
+def test_fuse_wgrad_accumulation_outside_fp8_megatron_flags(kind):
+    make, call = _FUSED_MODULES[kind]
+    torch.manual_seed(4)
+    m = make(fuse_wgrad_accumulation=True)
+    x = torch.randn(8, 16)
+    weights = [w for _, w in _gemm_weights(m)]
+    for w in weights:
+        w.main_grad = torch.full(w.shape, 3.0)
+        w.overwrite_main_grad = True  # the weight's attribute: overwrite, whatever is_first_microbatch says
+        w.grad_added_to_main_grad = False  # Megatron's DDP flag: set, and a dummy gradient returned
+    call(m, x, None).sum().backward()
+    first = [w.main_grad.clone() for w in weights]
+    call(m, x, None).sum().backward()
+    for w, g in zip(weights, first):
+        assert torch.equal(w.main_grad, g) and not torch.equal(g, torch.full(w.shape, 3.0))
+        assert w.grad_added_to_main_grad is True and torch.equal(w.grad, torch.zeros(w.shape))
+    del weights[0].main_grad
+    with pytest.raises(RuntimeError, match="main_grad"):
+        call(m, x, None).sum().backward()
+
+
+@pytest.mark.parametrize("kind", list(_FUSED_MODULES))
+def test_delay_wgrad_compute_outside_fp8_waits_for_backward_dw(kind):
+    import copy
+
+    make, call = _FUSED_MODULES[kind]
+    torch.manual_seed(5)
+    delayed = make(delay_wgrad_compute=True)
+    now = copy.deepcopy(delayed)
+    now.wgrad_store = None
+    if hasattr(now, "wgrad_stores"):
+        now.wgrad_stores = None
+    x = torch.randn(8, 16)
+    for m in (delayed, now):
+        call(m, x, None).square().sum().backward()
+    assert all(w.grad is None for _, w in _gemm_weights(delayed)) and delayed.need_backward_dw()
+    delayed.backward_dw()
+    for (_, a), (_, b) in zip(_gemm_weights(delayed), _gemm_weights(now)):
+        assert torch.equal(a.grad, b.grad)

@@ -305,6 +305,12 @@ def test_unreadable_or_mismatched_state_is_an_error_naming_the_key():
         fresh.load_state_dict(dict(sd, _extra_state=torch.frombuffer(bytearray(b"\x80\x04garbage"),
                                                                       dtype=torch.uint8)))
     assert fresh.fp8_meta["scaling_fwd"] is None  # nothing of a refused state is loaded
+    # a ValueError naming the key, raised before anything of the module (its weights included) loads
+    held = trained(te.Linear(16, 32), seed=1)
+    before = {k: v.clone() for k, v in held.state_dict().items()}
+    with pytest.raises(ValueError, match=r"_extra_state \(Transformer Engine's FP8 state\): .*scale_fwd"):
+        held.load_state_dict(dict(sd, _extra_state=zero_scale))
+    assert all(torch.equal(v, before[k]) for k, v in held.state_dict().items())
 
 
 def _two_gemm_module():

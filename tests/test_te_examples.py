@@ -54,10 +54,13 @@ def test_quickstart_cells_with_te_linear_and_layernorm(capsys):
     out = capsys.readouterr().out
     basic, basic_te = ys["# %% [cell 5]"], ys["# %% [cell 12]"]
     assert basic.dtype == torch.float16 and basic.shape == (32, 2, 64)
-    assert torch.equal(basic_te, basic)  # te.Linear / te.LayerNorm outside autocast: torch's numbers exactly
+    # te.Linear / te.LayerNorm outside autocast: torch's GEMMs exactly; te.LayerNorm computes fp16 in float32 and
+    # rounds once (Transformer Engine's kernels), torch's CPU fp16 LayerNorm does not: fp16 rounding apart
+    torch.testing.assert_close(basic_te, basic, rtol=1e-2, atol=1e-2)
     times = [float(t) for t in re.findall(r"Mean time: ([0-9.e+-]+) ms", out)]
     assert len(times) == 2 and all(t > 0 for t in times)  # cells 6 and 13
-    assert "largest difference: 0.0" in out
+    assert float(re.search(r"BasicTETransformerLayer - BasicTransformerLayer, largest difference: (\S+)",
+                           out).group(1)) < 1e-2
 
 
 @pytest.mark.skipif(not hasattr(te, "LayerNormMLP"), reason=NO_LAYERNORM_MLP)

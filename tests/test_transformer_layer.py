@@ -30,9 +30,12 @@ def _randomize(module, seed=0):
 
 
 def _norm(x, p, prefix, kind):
-    w = p[f"{prefix}weight"]
-    return F.layer_norm(x, (HID,), w, p[f"{prefix}bias"], 1e-5) if kind == "LayerNorm" else \
-        F.rms_norm(x, (HID,), w, 1e-5)
+    """TE's norms compute bf16/fp16 in float32 and round once."""
+    w, b = p[f"{prefix}weight"], p.get(f"{prefix}bias")
+    if x.dtype in (torch.bfloat16, torch.float16):
+        wide = (lambda t: None if t is None else t.float())  # noqa: E731
+        return _norm(x.float(), {f"{prefix}weight": wide(w), f"{prefix}bias": wide(b)}, prefix, kind).to(x.dtype)
+    return F.layer_norm(x, (HID,), w, b, 1e-5) if kind == "LayerNorm" else F.rms_norm(x, (HID,), w, 1e-5)
 
 
 def _attend(q, k, v, fmt, mask, causal):
@@ -354,3 +357,20 @@ def test_fp8_weights_under_quantized_model_init():
     assert 0 < ((y - want).norm() / want.norm()).item() < 0.05
     with pytest.raises(ValueError, match="parameters_split"), te.quantized_model_init(enabled=True, recipe=recipe):
         te.TransformerLayer(HID, FFN, H)  # split QKV parameters cannot be FP8 weights
+
+
+def test_norm_outputs_under_torch_autocast_have_its_dtype():
+    """Transformer Engine's norms return torch.autocast's dtype: the output LayerNorm (output_layernorm=True) and the
+    fused modules' norms, whose bf16 outputs feed the GEMMs unchanged; gradients reach the float32 parameters."""
+    layer = te.TransformerLayer(HID, FFN, H, hidden_dropout=0.0, attention_dropout=0.0, output_layernorm=True)
+    _randomize(layer, 4)
+    seen = []
+    hook = layer.layernorm.register_forward_hook(lambda m, i, o: seen.append(o.dtype))
+    x = torch.randn(S, B, HID, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    hook.remove()
+    assert y.dtype == torch.bfloat16 and seen == [torch.bfloat16]
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and layer.layernorm.weight.grad.dtype == torch.float32
+    assert all(p.grad is not None for p in layer.parameters())

@@ -205,9 +205,12 @@ def pytest_addoption(parser):
 
 
 def _placeholders(value, depth=0) -> list:
-    """The placeholders among a parameter value (looking into lists, tuples and dicts)."""
+    """The placeholders among a parameter value (looking into lists, tuples and dicts); a block recipe that fp8kit
+    has counts as the placeholder of its class."""
     if isinstance(value, Missing):
         return [value]
+    if type(value).__name__ in _BLOCK_RECIPES:
+        return [Missing(type(value).__name__ + "()", instance=True)]
     if depth < 3 and isinstance(value, (list, tuple)):
         return [m for v in value for m in _placeholders(v, depth + 1)]
     if depth < 3 and isinstance(value, dict):

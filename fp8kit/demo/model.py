@@ -75,8 +75,31 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT(nn.Module):
-    """`forward(idx [B, T] int64, targets [B, T] or None) -> (logits [B, T, vocab], loss or None)`."""
+class GPTBody(nn.Module):
+    """What every demo GPT shares around its blocks: token and position embeddings (`wte`, `wpe`), the blocks, a
+    final LayerNorm (`ln_f`) and the output head tied to `wte`, in high precision.
+    `forward(idx [B, T] int64, targets [B, T] or None) -> (logits [B, T, vocab], loss or None)`."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        B, T = idx.shape
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.wte(idx) + self.wpe(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output head, high precision
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+class GPT(GPTBody):
+    """The demo GPT with fp8kit Linear layers (see GPTBody for `forward`)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -99,20 +122,3 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output head, high precision
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())

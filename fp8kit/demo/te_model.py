@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import math
 
-import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import fp8kit.pytorch as te
 
-from .model import GPT, GPTConfig
+from .model import GPT, GPTBody, GPTConfig
 
 __all__ = ["TEGPT", "MODELS", "build_model", "plain_to_te"]
 
@@ -29,7 +27,7 @@ def _normal(std: float):
     return lambda w: nn.init.normal_(w, mean=0.0, std=std)
 
 
-class TEGPT(nn.Module):
+class TEGPT(GPTBody):
     """`forward(idx [B, T] int64, targets [B, T] or None) -> (logits [B, T, vocab], loss or None)`, as GPT."""
 
     tracked_layer = "blocks.0.layernorm_mlp"  # the module whose delayed-scaling state the demo records
@@ -49,22 +47,6 @@ class TEGPT(nn.Module):
             for i in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.load_state_dict(plain_to_te(plain.state_dict(), cfg.n_layer))
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))
-        for block in self.blocks:
-            x = block(x)
-        logits = F.linear(self.ln_f(x), self.wte.weight)  # tied output head, high precision
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in self.parameters())
 
 
 _BLOCK_NAMES = {  # plain GPT block -> TransformerLayer (fuse_qkv_params=True, qkv_weight_interleaved=False)

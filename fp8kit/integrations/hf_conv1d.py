@@ -1,7 +1,8 @@
 """fp8kit's version of Hugging Face's `Conv1D` (GPT-2, GPT, ...): `y = x @ weight + bias` with `weight` stored
 `[nx, nf]` (in, out), transposed with respect to torch.nn.Linear.
 
-`convert_model` swaps every `transformers.pytorch_utils.Conv1D` for this class, keeping the same Parameter
+Importing this module registers the class with `convert_model`, which then swaps every
+`transformers.pytorch_utils.Conv1D` for it, keeping the same Parameter
 objects, names and layout, so a checkpoint of the converted model loads into the stock model class and back
 (the FP8 state adds `<name>.fp8_meta.*` keys, as for fp8kit's Linear).
 
@@ -22,6 +23,7 @@ import torch
 from transformers.pytorch_utils import Conv1D as HFConv1D
 
 from fp8kit.pytorch import Linear
+from fp8kit.pytorch.convert import register_converter
 
 
 class Conv1D(HFConv1D):
@@ -102,9 +104,11 @@ class Conv1D(HFConv1D):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        fp8_keys = {k: v for k, v in state_dict.items() if k.startswith(prefix + "fp8_meta.")}
+        if fp8_keys:  # checked first: a bad FP8 entry raises before this module's parameters load
+            self.fp8_engine.fp8_entries(fp8_keys, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        fp8_keys = {k: v for k, v in state_dict.items() if k.startswith(prefix + "fp8_meta.")}
         if not fp8_keys:
             return
         # The engine takes them off unexpected_keys and loads (or reports) them; while it does, it holds this
@@ -122,3 +126,7 @@ class Conv1D(HFConv1D):
 
     def __repr__(self) -> str:
         return f"Conv1D(nf={self.nf}, nx={self.nx}, fp8kit)"
+
+
+# convert_model's table of layer types (the core imports no integration; this module adds its layer on import).
+register_converter(HFConv1D, lambda layer: (layer.nx, layer.nf), Conv1D.from_hf, "transformers Conv1D")

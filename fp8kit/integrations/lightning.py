@@ -26,6 +26,7 @@ from lightning.pytorch.plugins.precision import Precision as TrainerPrecision
 from lightning_utilities import apply_to_collection
 
 import fp8kit.pytorch as te
+from fp8kit.pytorch.fp8_weights import default_dtype as _default_dtype
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format, Recipe
 
 
@@ -45,16 +46,6 @@ def _recipe(recipe: Union[None, Recipe, Mapping]) -> Recipe:
         raise TypeError(f"FP8Precision: recipe must be a DelayedScaling, Float8CurrentScaling, a dict of "
                         f"DelayedScaling keywords or None, got {recipe!r}")
     return recipe
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 def _to_float(data: Any, dtype: torch.dtype) -> Any:

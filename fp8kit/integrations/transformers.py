@@ -25,6 +25,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from fp8kit.integrations import hf_conv1d  # noqa: F401  (registers GPT-2's Conv1D with convert_model)
 from fp8kit.pytorch import convert_model
 
 SAFE_WEIGHTS = "model.safetensors"

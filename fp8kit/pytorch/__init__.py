@@ -3,7 +3,7 @@
 
 import torch
 
-from . import attention, distributed, optimizers
+from . import attention, distributed, fsdp, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -15,7 +15,6 @@ from .availability import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
-from .cast import quantize
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
@@ -41,6 +40,7 @@ from .permutation import (
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
 )
+from .quantize_api import quantize
 from .quantized_tensor import (
     QuantizedTensor,
     QuantizedTensorStorage,
@@ -51,18 +51,34 @@ from .quantized_tensor import (
 )
 from .rng import CudaRNGStatesTracker
 from .stats import disable_stats, enable_stats, format_stats, reset_stats, stats, stats_to_csv
-from .tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, Float8TensorStorage
+from .tensor import (
+    Float8BlockQuantizer,
+    Float8BlockwiseQTensor,
+    Float8BlockwiseQTensorStorage,
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Tensor,
+    Float8TensorStorage,
+    MXFP8Quantizer,
+    MXFP8Tensor,
+    MXFP8TensorStorage,
+)
+from .tensor.block_storage import rebuild_pickled_block_tensor
 from .tensor.float8_tensor import make_float8_tensor
 from .transformer import TransformerLayer
 
-torch.serialization.add_safe_globals([make_float8_tensor])  # torch.load(weights_only=True) rebuilds Float8Tensors
+# torch.load(weights_only=True) rebuilds Float8Tensors and block-scaled tensors
+torch.serialization.add_safe_globals([make_float8_tensor, rebuild_pickled_block_tensor, MXFP8Tensor,
+                                      Float8BlockwiseQTensor])
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
-           "Float8Tensor", "convert_model", "distributed", "optimizers",
+           "Float8Tensor", "convert_model", "distributed", "fsdp", "optimizers",
            "checkpoint", "CudaRNGStatesTracker", "make_graphed_callables", "apply_pending_updates", "DType",
            "constants", "Float8TensorStorage", "Float8Quantizer",
-           "Float8CurrentScalingQuantizer", "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
+           "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
+           "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
+           "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",
            "fp8_model_init",
            "attention", "DotProductAttention", "MultiheadAttention", "InferenceParams", "RotaryPositionEmbedding",

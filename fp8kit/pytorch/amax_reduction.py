@@ -19,7 +19,12 @@ The body has the length agreed at the last check, so the collective's size match
 Once per key, before its first update, each rank also posts to torch.distributed's store which process group object
 and `reduce_amax` it uses for that recipe over those ranks, and compares with the other ranks' posts: passing
 different group objects over the same ranks, or different `reduce_amax`, is an error on every rank instead of
-collectives that never pair. A rank that is merely slow is waited for; nothing here has a timeout of its own.
+collectives that never pair. A rank that is merely slow is waited for, up to the process group's timeout (as a
+collective would); a rank that raised a rule error meanwhile ends the wait at once.
+
+Any failure inside these checks and collectives is a DistributedRuleError on every rank (`dist_rules.rule_check`): a
+rank that raises a rule error posts it to the store, and a peer that then loses its connection to that rank (it
+exited) names it, or names rank 0 when the store it serves cannot be reached.
 """
 
 from __future__ import annotations
@@ -34,7 +39,15 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import registry
-from .distributed import DistributedRuleError, RegistrationMismatchError, group_ranks, state_label
+from .dist_rules import (
+    DistributedRuleError,
+    RegistrationMismatchError,
+    default_store,
+    group_ranks,
+    posted_failures,
+    rule_check,
+    state_label,
+)
 from .state import update_states
 
 __all__ = ["reduced_update", "check_local_key", "mismatch_message", "recipe_description"]
@@ -169,15 +182,6 @@ def _step_mismatch(key, which: str, seq: int, device) -> DistributedRuleError:
 _ORDER: Dict[tuple, int] = {}
 
 
-def _store():
-    try:
-        from torch.distributed import distributed_c10d
-
-        return distributed_c10d._get_default_store()
-    except Exception:  # no default store (an unusual init): this check is skipped
-        return None
-
-
 def _group_name(group) -> str:
     dist = _dist()
     pg = dist.group.WORLD if group is None else group
@@ -216,20 +220,29 @@ def _conflict(mine: dict, rank: int, other: dict) -> Optional[str]:
             "reduce_amax, or the amax all-reduces would never pair.")
 
 
+def _timeout_s(store) -> Optional[float]:
+    """The process group's timeout, which init_process_group gives its store (None if it cannot be read)."""
+    try:
+        return store.timeout.total_seconds()
+    except Exception:
+        return None
+
+
 def _check_reduced_key(key) -> None:
     """Before the first collective of a reduced key: the other ranks of the group registered the same key at this
     position with the same group object and reduce_amax. Waits for ranks that have not got there yet (they may be
     slow); a rank whose key at this position is another one is left to the collective's key check."""
     if key in _ORDER:
         return
-    store = _store()
+    store = default_store()
     if store is None:
         _ORDER[key] = len(_ORDER)
         return
     index, mine = _announce(key, store)
     me = _dist().get_rank()
     pending = [r for r in mine["ranks"] if r != me]
-    start = last_note = time.time()
+    start = last_note = last_look = time.time()
+    limit = _timeout_s(store)
     while pending:
         for rank in list(pending):
             other = _peer(store, index, rank)
@@ -239,6 +252,20 @@ def _check_reduced_key(key) -> None:
                 if problem:
                     raise DistributedRuleError(problem)
         if pending:
+            failed = None
+            if time.time() - last_look > 0.5:
+                last_look = time.time()
+                failed = posted_failures(pending, since=start)
+            if failed:  # a rank we wait for raised a rule error meanwhile: it will not come
+                raise DistributedRuleError(
+                    f"fp8kit: rank {me} waited for ranks {pending} to reach the autocast key "
+                    f"{_key_desc(key, 'forward')[0]}, but {'; '.join(failed)}. See that rank's error for the rule "
+                    "and how to keep it.")
+            if limit is not None and time.time() - start > limit:  # as a collective would time out
+                raise DistributedRuleError(
+                    f"fp8kit: rank {me} waited {limit:.0f} s (the process group's timeout) for ranks {pending} to "
+                    f"reach the autocast key {_key_desc(key, 'forward')[0]}: they have stopped or run other autocast "
+                    "steps; see their output.")
             if time.time() - last_note > 30:  # a rank not there yet: keep waiting, say so now and then
                 last_note = time.time()
                 warnings.warn(f"fp8kit: rank {me} has waited {last_note - start:.0f} s for ranks {pending} to reach "
@@ -253,15 +280,16 @@ def check_local_key(key) -> None:
     if found is None or found.local_checks_left <= 0:
         return
     found.local_checks_left -= 1
-    store = _store()
+    store = default_store()
     if store is None:
         return
-    index, mine = _announce(key, store)
-    for rank in mine["ranks"]:
-        other = _peer(store, index, rank) if rank != _dist().get_rank() else None
-        problem = other is not None and _conflict(mine, rank, other)
-        if problem:
-            raise DistributedRuleError(problem)
+    with rule_check("the check of a local (reduce_amax=False) key against the other ranks' keys", key):
+        index, mine = _announce(key, store)
+        for rank in mine["ranks"]:
+            other = _peer(store, index, rank) if rank != _dist().get_rank() else None
+            problem = other is not None and _conflict(mine, rank, other)
+            if problem:
+                raise DistributedRuleError(problem)
 
 
 # ---- the collective update --------------------------------------------------------------------------------------
@@ -278,7 +306,19 @@ _AGREED: Dict[Tuple[tuple, str], _Agreed] = {}
 def reduced_update(key, which: str, used: bool, seq: int) -> None:
     """The collective update of `which` ("forward" or "backward") states under registry `key`; every rank of the
     key's group must call it at the same point. `used`: this rank ran a module of the key since the last update;
-    `seq`: the key's step counter of the step this update belongs to."""
+    `seq`: the key's step counter of the step this update belongs to. A failure in its checks or collectives is a
+    DistributedRuleError on every rank (`dist_rules.rule_check`)."""
+    with rule_check(f"the {which} amax reduction", key):
+        reduced = _reduce(key, which, used, seq)
+    if reduced is not None:
+        recipe, _ = key
+        fmt = recipe.fp8_format.value
+        update_states(reduced, recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd)
+
+
+def _reduce(key, which: str, used: bool, seq: int):
+    """The checks and collectives of `reduced_update`; returns the states to update (their staging rows hold the
+    group's maxima), or None when there is nothing to update."""
     dist = _dist()
     recipe, group = key
     _check_reduced_key(key)
@@ -314,13 +354,12 @@ def reduced_update(key, which: str, used: bool, seq: int) -> None:
             raise RegistrationMismatchError(problem)
         _AGREED[(key, which)] = _Agreed(version, [s.num_slots for s in states])
         if not any_used or not states:
-            return
+            return None
         staging = torch.cat([s.amax_history[0] for s in states])
         dist.all_reduce(staging, op=dist.ReduceOp.MAX, group=group)
     if not any_used or not states:
-        return
+        return None
     sizes = [s.num_slots for s in states]
     torch._foreach_copy_([s.amax_history[0] for s in states], list(staging.split(sizes)))
-    fmt = recipe.fp8_format.value
-    update_states(states, recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd)
+    return states
 

@@ -23,9 +23,10 @@ from typing import Dict, Iterator, Optional, Tuple
 
 import torch
 
-from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..recipe import DelayedScaling, Recipe
 from . import registry
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
+from .recipe_families import registered_recipes
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .registry import register as _register_states
 from .registry import registry_states
@@ -203,10 +204,9 @@ def run_pending_backward() -> None:
 def _check_recipe(recipe) -> Recipe:
     if recipe is None:
         return DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(
-            f"autocast: recipe must be a fp8kit.recipe.DelayedScaling or Float8CurrentScaling, got {recipe!r}"
-        )
+    if not isinstance(recipe, registered_recipes()):  # the registered families (recipe_families.py)
+        raise TypeError(f"autocast: recipe must be a fp8kit.recipe "
+                        f"{' or '.join(c.__name__ for c in registered_recipes())}, got {recipe!r}")
     return recipe
 
 

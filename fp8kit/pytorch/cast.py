@@ -7,15 +7,22 @@ One convention everywhere: `q = saturate(float32(x) * scale)` rounded to nearest
 from __future__ import annotations
 
 import math
-from typing import Optional, Union
+from typing import Union
 
 import torch
 
 from ..recipe import FLT_MAX, SCALE_MIN
 from . import host
-from .tensor.storage import FP8_DTYPES, Float8TensorStorage
+from .tensor.storage import Float8TensorStorage
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+# The largest float32 that torch's float32 -> FP8 conversion (round to nearest even) takes to the largest finite FP8
+# value without a clamp: the midpoint between max and the next step (480 for E4M3, 65536 = inf for E5M2) where it
+# rounds to the even neighbour, max (E4M3's 464), else the float32 below it (E5M2's midpoint 61440 rounds to inf).
+# Up to these the conversion without a clamp is the saturating cast (tests/test_cast_cpu.py checks every float32
+# from max up to them against tests/reference.py). torch 2.13 also saturates E4M3 above 464; older versions give
+# NaN there, so the bound does not rely on it.
+UNCLAMPED_MAX = {torch.float8_e4m3fn: 464.0, torch.float8_e5m2: 61440.0 - 2.0 ** -8}
 _DTYPE_OF_NAME = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
@@ -117,76 +124,17 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8
                                fake_dtype=x.dtype)
 
 
-def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float) -> Float8TensorStorage:
+def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float,
+              nan_free: bool = False) -> Float8TensorStorage:
     """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
-    `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s."""
-    # Products are monotonic in |x|: when the largest stays within range no element needs the clamp.
-    in_range = host.f32(amax_value * scale) <= FP8_MAX[fp8_dtype]
+    `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s. `nan_free`: the caller knows
+    x holds no NaN (`host.amax_nan`), so the saturated bytes hold no NaN or inf code either, which the CPU GEMM's
+    widening then need not check."""
+    # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no element
+    # needs the clamp (UNCLAMPED_MAX; current scaling's `amax * (max / amax)` can exceed max by an ulp).
+    in_range = host.f32(amax_value * scale) <= UNCLAMPED_MAX[fp8_dtype]
     data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
     # scale_inv is made from the float when asked
-    return Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
-
-
-def _check_input(x: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"quantize: expected a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point() or x.dtype in FP8_DTYPES:
-        raise TypeError(f"quantize: input must be a float32/bfloat16/float16 tensor, got dtype {x.dtype}")
-    if fp8_dtype not in FP8_DTYPES:
-        raise TypeError(f"quantize: fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype!r}")
-
-
-def _checked_scale(scale: Union[torch.Tensor, float], device: torch.device) -> torch.Tensor:
-    if isinstance(scale, torch.Tensor):
-        if scale.numel() != 1 or not (scale.is_floating_point()):
-            raise TypeError(
-                f"quantize: scale must be a float or a floating tensor with one element, got dtype {scale.dtype} "
-                f"and shape {tuple(scale.shape)}"
-            )
-        s = scale.detach().reshape(()).to(device=device, dtype=torch.float32)
-    elif isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        s = torch.tensor(float(scale), dtype=torch.float32, device=device)
-    else:
-        raise TypeError(f"quantize: scale must be a float or a tensor, got {type(scale).__name__}")
-    value = float(s)
-    if not (0 < value <= FLT_MAX and host.reciprocal(value) <= FLT_MAX):
-        raise ValueError(f"quantize: scale must be finite and > 0 as float32, with a finite reciprocal, got {value!r} "
-                         f"(from {scale!r})")
-    return s
-
-
-def quantize(
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    scale: Optional[Union[torch.Tensor, float]] = None,
-    *,
-    amax_epsilon: float = 0.0,
-    power_2_scale: bool = False,
-):
-    """Quantize `x` (float32, bfloat16 or float16, any shape, CPU or CUDA) to FP8; returns a
-    `fp8kit.pytorch.Float8Tensor` (nominal dtype x's, `_data` the FP8 bytes, `_scale_inv` float32 `[1]`).
-
-    With `scale` (a float or a one-element floating tensor, finite and > 0 in float32, with a finite reciprocal) cast
-    as SPEC section 1. Without it, apply current scaling (SPEC section 3):
-    `scale = fp8_max / max(amax(x), amax_epsilon)`, 1 when that amax is 0, inf or NaN, optionally rounded down to a
-    power of two.
-    """
-    from .tensor.float8_tensor import wrap  # the public tensor type (imported late: it builds on this module)
-
-    _check_input(x, fp8_dtype)
-    x = x.detach()
-    fast = host.active(x.device)
-    if scale is None:
-        eps = float(amax_epsilon)
-        if not (eps >= 0 and eps != float("inf")):
-            raise ValueError(f"quantize: amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
-        if fast:
-            a = host.amax(x)
-            return wrap(cast_host(x, host.current_scale(a, FP8_MAX[fp8_dtype], eps, bool(power_2_scale)),
-                                  fp8_dtype, a))
-        s = current_scale(x, fp8_max_of(fp8_dtype), eps, bool(power_2_scale))
-    else:
-        s = _checked_scale(scale, x.device)
-        if fast:
-            return wrap(cast_host(x, float(s), fp8_dtype, math.inf))  # amax unknown: always clamp
-    return wrap(cast(x, s, fp8_dtype))
+    q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
+    q._codes_finite = nan_free
+    return q

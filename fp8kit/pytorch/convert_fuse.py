@@ -13,9 +13,10 @@ in_features is the norm's size. `module_filter(linear, name)` False, or a shape 
 pair alone (the Linear is then treated as convert_model treats it).
 
 The fused module replaces the Linear; the norm's place gets `torch.nn.Identity()`. It computes what the pair did:
-the same norm (`F.layer_norm` / `F.rms_norm` with the same parameters), then the same FP8 GEMM as a converted Linear,
-bit for bit. State dict keys move to Transformer Engine's names: `<linear>.layer_norm_weight`,
-`<linear>.layer_norm_bias`, `<linear>.weight`, `<linear>.bias`.
+the same norm (`F.layer_norm` / `F.rms_norm` with the same parameters; bf16 / fp16 norms computed in float32 as
+Transformer Engine's, see modules/norm.py), then the same FP8 GEMM as a converted Linear, bit for bit. State dict
+keys move to Transformer Engine's names: `<linear>.layer_norm_weight`, `<linear>.layer_norm_bias`, `<linear>.weight`,
+`<linear>.bias`.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """fp8kit on torch.distributed: the errors of amax reduction's rules, `apply_pending_updates`, and the
 collectives of tensor-parallel layers (SPEC section 9; docs/distributed.md explains the choices). The collective
-update itself lives in fp8kit.pytorch.amax_reduction.
+update itself lives in fp8kit.pytorch.amax_reduction, the errors and group ranks the rule checks share in
+fp8kit.pytorch.dist_rules (below the autocast stack, which calls the checks; this module sits above it).
 
 Tensor parallelism. `gather_along_first_dim`, `reduce_scatter_along_first_dim`, `all_reduce_sum` and
 `all_gather_fp8` (FP8 bytes moved as uint8) are what `Linear(parallel_mode=...)` calls; the sequence dimension is the
@@ -10,11 +11,19 @@ first dimension of the input, as in Transformer Engine (`[s, b, h]`).
 from __future__ import annotations
 
 import dataclasses
-import weakref
 from typing import Dict, Optional, Tuple
 
 import torch
 
+from .autocast import current_frame, run_pending_backward
+from .dist_rules import (
+    DistributedRuleError,
+    RegistrationMismatchError,
+    _dist,
+    group_ranks,
+    label_states,
+    state_label,
+)
 from .tensor.storage import Float8TensorStorage
 
 __all__ = ["DistributedRuleError", "RegistrationMismatchError", "apply_pending_updates", "label_states",
@@ -23,65 +32,11 @@ __all__ = ["DistributedRuleError", "RegistrationMismatchError", "apply_pending_u
            "shard_linear_parameters"]
 
 
-class DistributedRuleError(RuntimeError):
-    """Ranks of an amax reduction broke a rule they must keep together (docs/distributed.md, "Rules"): raised on
-    every rank of the group instead of collectives that never pair."""
-
-
-class RegistrationMismatchError(DistributedRuleError):
-    """Ranks registered different FP8 modules (or are updating different autocast keys) for one amax reduction."""
-
-
-def _dist():
-    import torch.distributed as dist
-
-    return dist
-
-
-# ---- process groups ---------------------------------------------------------------------------------------------
-
-_RANKS: Dict[object, Tuple[int, ...]] = {}
-
-
-def group_ranks(group) -> Tuple[int, ...]:
-    """Global ranks of `group` (None: the default group; other groups are cached)."""
-    dist = _dist()
-    if group is None:
-        return tuple(range(dist.get_world_size()))
-    ranks = _RANKS.get(group)
-    if ranks is None:
-        ranks = _RANKS[group] = tuple(dist.get_process_group_ranks(group))
-    return ranks
-
-
-# ---- module labels in error messages ------------------------------------------------------------------------
-
-_LABELS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def label_states(label: str, *states) -> None:
-    """Name the module that owns `states` in registration-mismatch messages (modules call this; cheap). Not while
-    torch.compile traces: amax reduction, whose messages use the names, is refused there, and guards on this weak
-    dictionary would fail as other modules' states are collected."""
-    if torch.compiler.is_compiling():
-        return
-    for state in states:
-        if _LABELS.get(state) != label:
-            _LABELS[state] = label
-
-
-def state_label(state) -> str:
-    """The name `label_states` gave `state` ("an unnamed FP8 module" if none)."""
-    return _LABELS.get(state, "an unnamed FP8 module")
-
-
 def apply_pending_updates() -> None:
     """Run now the backward-state updates that amax reduction defers to the next outermost autocast entry.
 
     Call it on every rank of the reduction group, outside autocast, before saving a checkpoint or reading
     `fp8_meta["scaling_bwd"]` after the last step. See docs/distributed.md."""
-    from .autocast import current_frame, run_pending_backward
-
     if current_frame() is not None:
         raise RuntimeError("apply_pending_updates: call it outside fp8kit.pytorch.autocast")
     run_pending_backward()

@@ -135,3 +135,14 @@ def _keep_init_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 def is_fp8_parameter(t) -> bool:
     return isinstance(t, Float8Tensor)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside the scope (parameters created there take it), restored after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -3,8 +3,9 @@
 A model built under `quantized_model_init` holds Float8Tensor weight parameters; `fully_shard` splits each along dim 0
 (every rank keeps a Float8Tensor shard: its FP8 bytes and the tensor's one scale) and, before each forward and
 backward, calls the all-gather extension of torch's FSDP2 (`fsdp_pre_all_gather` / `fsdp_post_all_gather`, methods
-of Float8Tensor that land here). So one byte per element goes over the wire instead of two (bf16) or four (float32),
-and the forward receives the gathered Float8Tensor, whose bytes the FP8 GEMM uses without a cast.
+of Float8Tensor that run what this module registers with it when imported). So one byte per element goes over the
+wire instead of two (bf16) or four (float32), and the forward receives the gathered Float8Tensor, whose bytes the
+FP8 GEMM uses without a cast.
 
 One scale for all shards: the gathered bytes are read with one `scale_inv`, so every rank must quantize its shard with
 the same scale.
@@ -32,7 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import cast as casts
-from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, register_all_gather
 
 __all__ = ["pre_all_gather", "post_all_gather", "ShardAmaxQuantizer"]
 
@@ -148,3 +149,6 @@ def _agree_on_scale(shard: Float8Tensor, group) -> None:
         scale = torch.reciprocal(invs.max()).reshape(1)
         Float8Quantizer(scale, torch.zeros(1, device=scale.device), shard._fp8_dtype, columnwise=False) \
             .update_quantized(values, shard)
+
+
+register_all_gather(pre_all_gather, post_all_gather)  # Float8Tensor's FSDP2 hooks run these

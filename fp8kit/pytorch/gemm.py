@@ -1,7 +1,10 @@
 """The one place that multiplies FP8 tensors.
 
-`gemm(a, b)` computes `a @ b` for Float8Tensors `a` `[M, K]` and `b` `[K, N]` (any strides), accumulating in
-float32 and scaling by `a.scale_inv * b.scale_inv`. Three paths, chosen by the device and the formats:
+`gemm(a, b)` dispatches on the operands' storage type through a table of GEMM rules (`register_gemm_rule`): a
+recipe family with its own storage (block scales, ...) adds its rule there, and the modules call `gemm` alone.
+Per-tensor FP8 (`Float8TensorStorage`, and Float8Tensor) has `per_tensor_gemm`: `a @ b` for `a` `[M, K]` and `b`
+`[K, N]` (any strides), accumulating in float32 and scaling by `a.scale_inv * b.scale_inv`. Three paths, chosen by
+the device and the formats:
 
 - CPU tensors: emulated (FP8 values are exact in float32 and bf16; float32 products and sums; scaled once).
 - Any other device (CUDA; `meta` in the tests): `torch._scaled_mm` (cuBLASLt), which wants `a` row-major and `b`
@@ -18,7 +21,7 @@ Nothing here reads a device value on the host.
 from __future__ import annotations
 
 import warnings
-from typing import Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
@@ -43,14 +46,58 @@ def check_cuda_shape(leading: int, in_features: int, out_features: int) -> list:
     return padded
 
 
-def gemm(
+GemmRule = Callable[[Any, Any, torch.dtype, Optional[torch.Tensor], bool], torch.Tensor]
+
+_RULES: Dict[type, GemmRule] = {}
+_RESOLVED: Dict[type, GemmRule] = {}  # storage type (subclasses included) -> rule, filled on first use
+
+
+def register_gemm_rule(storage_class: type, rule: GemmRule) -> None:
+    """Make `rule(a, b, out_dtype, bias, use_fast_accum)` the GEMM of operands stored as `storage_class` (or a
+    subclass without a rule of its own): how their scales meet in the product, on every device. A recipe family
+    with its own storage (block scales, ...) registers one; both operands of a GEMM must share the rule."""
+    if not isinstance(storage_class, type):
+        raise TypeError(f"register_gemm_rule: expected a storage class, got {storage_class!r}")
+    if not callable(rule):
+        raise TypeError(f"register_gemm_rule: rule must be callable, got {rule!r}")
+    _RULES[storage_class] = rule
+    _RESOLVED.clear()
+
+
+def gemm_rule(storage_type: type) -> GemmRule:
+    """The rule of operands of `storage_type`: its own, else its nearest registered base class's."""
+    rule = _RESOLVED.get(storage_type)
+    if rule is None:
+        for cls in storage_type.__mro__:
+            if cls in _RULES:
+                rule = _RESOLVED[storage_type] = _RULES[cls]
+                break
+        else:
+            raise TypeError(f"fp8kit gemm: no GEMM rule for operands of type {storage_type.__name__} (known: "
+                            f"{', '.join(c.__name__ for c in _RULES)})")
+    return rule
+
+
+def gemm(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+         use_fast_accum: bool = False) -> torch.Tensor:
+    """`a @ b` (+ bias) in `out_dtype` for quantized operands a `[M, K]`, b `[K, N]`, by the GEMM rule of their
+    storage type (`register_gemm_rule`; per-tensor FP8 `Float8TensorStorage`: `per_tensor_gemm`)."""
+    rule = gemm_rule(type(a))
+    if type(b) is not type(a) and gemm_rule(type(b)) is not rule:
+        raise TypeError(f"fp8kit gemm: operands of types {type(a).__name__} and {type(b).__name__} have different "
+                        "GEMM rules (one recipe's operands per GEMM)")
+    return rule(a, b, out_dtype, bias, use_fast_accum)
+
+
+def per_tensor_gemm(
     a: Float8TensorStorage,
     b: Float8TensorStorage,
     out_dtype: torch.dtype,
     bias: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    """`(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
+    """The GEMM rule of per-tensor FP8 (`Float8TensorStorage`, delayed and current scaling):
+    `(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
     if a._data.device.type == "cpu":
         if torch.compiler.is_compiling():  # the same code, as one opaque operation (it reads alpha on the host)
             return torch.ops.fp8kit.emulated_mm(a._data, a.scale_inv, b._data, b.scale_inv, bias, out_dtype)
@@ -192,3 +239,5 @@ def _(a_data, a_scale_inv, b_data, b_scale_inv, bias, out_dtype):
 _BF16_GEMM_MIN_MACS = 1 << 24
 _ZERO_BF16 = torch.zeros((), dtype=torch.bfloat16)
 _ZERO_F32 = torch.zeros((), dtype=torch.float32)
+
+register_gemm_rule(Float8TensorStorage, per_tensor_gemm)  # Float8Tensor (a subclass) included

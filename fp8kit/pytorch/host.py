@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -45,13 +45,20 @@ def tensor_path() -> Iterator[None]:
 
 def amax(x: torch.Tensor) -> float:
     """`max |x|` over the non-NaN elements of a CPU tensor, as a Python float (0 for empty or all-NaN)."""
+    return amax_nan(x)[0]
+
+
+def amax_nan(x: torch.Tensor) -> Tuple[float, bool]:
+    """(`amax(x)`, whether x holds no NaN), from one `aminmax` pass (NaN propagates through it) unless x holds a NaN,
+    which takes a second, NaN-ignoring pass."""
     if x.numel() == 0:
-        return 0.0
+        return 0.0, True
     lo, hi = torch.aminmax(x)
     a = max(float(hi), -float(lo))
-    if a != a:  # a NaN somewhere: take the slow, NaN-ignoring path
+    nan_free = a == a
+    if not nan_free:  # a NaN somewhere: take the slow, NaN-ignoring path
         a = float(torch.where(torch.isnan(x), 0, x.abs()).amax())
-    return a if x.dtype != torch.float64 else f32(a)
+    return (a if x.dtype != torch.float64 else f32(a)), nan_free
 
 
 def scale_from_amax(amax_value: float, scaled_max: float, fallback: float, power_2: bool = False) -> float:

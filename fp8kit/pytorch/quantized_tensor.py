@@ -202,6 +202,18 @@ class QuantizedTensor(torch.Tensor):
         return run_dequantized(func, args, kwargs or {})
 
 
+def dispatch_through(handlers: dict, func, args, kwargs):
+    """A quantized tensor's `__torch_dispatch__`: the handler `handlers` has for `func` (one that keeps the data
+    quantized; it may return NotImplemented), else `func` on the dequantized values."""
+    kwargs = kwargs or {}
+    handler = handlers.get(func)
+    if handler is not None:
+        out = handler(*args, **kwargs)
+        if out is not NotImplemented:
+            return out
+    return run_dequantized(func, args, kwargs)
+
+
 def run_dequantized(func, args, kwargs):
     """Run an aten operation on dequantized values; an in-place operation on a quantized tensor computes on its
     values and quantizes the result back into it."""

@@ -31,10 +31,10 @@ class DelayedQuantizer:
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if host.active(x.device):
-            a = host.amax(x)
+            a, nan_free = host.amax_nan(x)
             self.state.record(self.slot, a)
             scale = float(self.state.host_views()[1][self.slot])
-            q = cast_host(x, scale, self.fp8_dtype, a)
+            q = cast_host(x, scale, self.fp8_dtype, a, nan_free)
             if self.stats is not None:
                 self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
                                   torch.scalar_tensor(a, dtype=torch.float32))
@@ -101,9 +101,9 @@ class CurrentQuantizer:
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if self.group is None and host.active(x.device):
-            a = host.amax(x)
+            a, nan_free = host.amax_nan(x)
             scale = host.current_scale(a, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2)
-            q = cast_host(x, scale, self.fp8_dtype, a)
+            q = cast_host(x, scale, self.fp8_dtype, a, nan_free)
             if self.stats is not None:
                 self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
                                   torch.scalar_tensor(a, dtype=torch.float32))
@@ -147,4 +147,6 @@ def with_transpose(q: Float8TensorStorage) -> Float8TensorStorage:
 def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     """The bias gradient: `dy` summed over its leading dimensions, in dy's dtype."""
     n = dy.shape[-1] if dy.dim() else 1
+    if n == 0:  # a layer without outputs: reshape(-1, 0) is ambiguous
+        return dy.new_zeros(0)
     return dy.reshape(-1, n).sum(0)

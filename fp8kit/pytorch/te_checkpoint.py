@@ -36,6 +36,8 @@ from typing import Any, Dict, List, Mapping, MutableMapping, Optional
 
 import torch
 
+from .state_entry import CheckpointEntryError, bad_fp8_entry
+
 __all__ = ["TEExtraState", "TEObject", "RestrictedUnpickler", "read_extra_state", "EXTRA_STATE_KEY",
            "with_te_extra_state", "accept_extra_state"]
 
@@ -273,8 +275,6 @@ def _interpret(state, layout: str) -> Optional[TEExtraState]:
 
 def _entries(decoded: TEExtraState, num_gemms: int) -> Dict[str, Dict[str, torch.Tensor]]:
     """fp8kit's `fp8_meta.<pass>` entries from decoded TE state; raises ValueError naming TE's field."""
-    from .modules.base import bad_fp8_entry  # modules.base imports this file
-
     entries = {}
     for name, per_gemm, te_pass in (("scaling_fwd", 3, "fwd"), ("scaling_bwd", 2, "bwd")):
         history, scale = decoded.scales[name]
@@ -283,25 +283,23 @@ def _entries(decoded: TEExtraState, num_gemms: int) -> Dict[str, Dict[str, torch
             raise ValueError(f"amax_history_{te_pass} has {history.shape[1]} columns: Transformer Engine 0.5 and "
                              f"older kept {per_gemm - 1} per GEMM, fp8kit (and TE 0.6 on) {per_gemm}")
         found = {"amax_history": history, "scale": scale, "update_count": torch.zeros((), dtype=torch.int64)}
-        problem = bad_fp8_entry(found, slots)
+        field, problem = bad_fp8_entry(found, slots)
         if problem:
-            raise ValueError(f"amax_history_{te_pass} / scale_{te_pass}: {problem} (this module has {num_gemms} "
-                             f"GEMM{'s' if num_gemms > 1 else ''})")
+            raise ValueError(f"amax_history_{te_pass} / scale_{te_pass}: {field} {problem} (this module has "
+                             f"{num_gemms} GEMM{'s' if num_gemms > 1 else ''})")
         entries[name] = found
     return entries
 
 
-def with_te_extra_state(state_dict: Mapping, prefix: str, num_gemms: int, unexpected_keys: List[str],
-                        error_msgs: List[str]) -> Mapping:
-    """The hook of fp8kit modules' `_load_from_state_dict` (modules/base.py): accept `<prefix>_extra_state` (it is
-    not an unexpected key) and, when the checkpoint has no fp8kit `<prefix>fp8_meta.*` key, return `state_dict`
-    with the TE state added as fp8kit's keys (a ChainMap, nothing copied; the update counter starts at 0: TE keeps
-    none). Unreadable TE state adds a message naming the key to `error_msgs` (load_state_dict then raises) and
-    leaves `state_dict` as it is."""
+def with_te_extra_state(state_dict: Mapping, prefix: str, num_gemms: int) -> Mapping:
+    """What fp8kit modules' `_load_from_state_dict` (modules/base.py) reads: when the checkpoint holds
+    `<prefix>_extra_state` and no fp8kit `<prefix>fp8_meta.*` key, `state_dict` with the TE state added as fp8kit's
+    keys (a ChainMap, nothing copied; the update counter starts at 0: TE keeps none); else `state_dict` as it is.
+    Unreadable TE state raises CheckpointEntryError naming the key, before anything of the module is loaded.
+    (`accept_extra_state` takes the key off the unexpected ones.)"""
     key = prefix + EXTRA_STATE_KEY
     if key not in state_dict:
         return state_dict
-    unexpected_keys[:] = [k for k in unexpected_keys if k != key]
     ours = prefix + "fp8_meta."
     if any(isinstance(k, str) and k.startswith(ours) for k in state_dict):
         return state_dict  # fp8kit's own keys win
@@ -309,8 +307,7 @@ def with_te_extra_state(state_dict: Mapping, prefix: str, num_gemms: int, unexpe
         decoded = read_extra_state(state_dict[key])
         entries = _entries(decoded, num_gemms) if decoded is not None and decoded.scales else {}
     except Exception as err:  # untrusted bytes: whatever fails to decode is reported, naming the key
-        error_msgs.append(f"{key} (Transformer Engine's FP8 state): {type(err).__name__}: {err}")
-        return state_dict
+        raise CheckpointEntryError(f"{key} (Transformer Engine's FP8 state): {type(err).__name__}: {err}") from err
     if not entries:
         return state_dict
     added: MutableMapping[str, torch.Tensor] = {}

@@ -17,14 +17,14 @@ from ...recipe import DelayedScaling
 from .. import context
 from ..batching import state_amax
 from ..cast import max_nonneg
-from ..dense import amax_axes
+from ..dense import amax_axes, dense
 from ..sharding import current_mesh_resource
 from ..state import FORWARD_TENSORS, FP8_COLLECTION, group_names, init_group, stage_group, update_forward
 
 __all__ = [
     "Initializer", "tuple_of", "normalize_axes", "with_axes", "flat_kernel_init", "flat_bias_init",
     "default_kernel_init", "compute_dtype", "fp8_state", "record_forward", "layernorm_params", "low_rank_adaptation",
-    "uses_fp8", "gemm_scope",
+    "uses_fp8", "gemm_scope", "fp8_dense",
 ]
 
 Initializer = Callable[..., Any]
@@ -168,6 +168,23 @@ def record_forward(module: nn.Module, group: Optional[dict], x: jax.Array, kerne
     for k in names:
         if k in new and not k.startswith("grad"):
             module.put_variable(collection, names[k], new[k])
+
+
+def fp8_dense(module: nn.Module, x: jax.Array, kernel: jax.Array, bias: Optional[jax.Array], dtype: Any,
+              contracting_dims, input_axes, kernel_axes, postfix: str = "") -> jax.Array:
+    """One GEMM of a Flax layer: its delayed-scaling state (`postfix` names it among the layer's GEMMs), the forward
+    record under a mutable collection, then `dense` (FP8 off while initializing). Outside FP8 the kernel and bias
+    are cast to the computation dtype `dtype` first. The layer's `precision` and `transpose_batch_sequence` apply."""
+    group = fp8_state(module, postfix)
+    if uses_fp8(module):
+        record_forward(module, group, x, kernel, postfix)
+    else:
+        kernel = kernel.astype(dtype)
+        bias = None if bias is None else bias.astype(dtype)
+    with gemm_scope(module):
+        return dense(x, kernel, bias, contracting_dims=contracting_dims, input_axes=input_axes,
+                     kernel_axes=kernel_axes, quantizer_set=group, precision=module.precision,
+                     transpose_batch_sequence=module.transpose_batch_sequence)
 
 
 # ---- LayerNorm parameters, LoRA -----------------------------------------------------------------------------------

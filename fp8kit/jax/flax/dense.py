@@ -8,19 +8,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..dense import dense
 from .base import (
     Initializer,
     compute_dtype,
     flat_bias_init,
     flat_kernel_init,
-    fp8_state,
-    gemm_scope,
+    fp8_dense,
     low_rank_adaptation,
     normalize_axes,
-    record_forward,
     tuple_of,
-    uses_fp8,
     with_axes,
 )
 
@@ -85,16 +81,8 @@ class DenseGeneral(nn.Module):
                               self.param_dtype)
         dtype = compute_dtype(self.dtype, inputs)
         x = inputs.astype(dtype)
-        group = fp8_state(self)
-        if uses_fp8(self):
-            record_forward(self, group, x, kernel)
-        else:
-            kernel = kernel.astype(dtype)
-            bias = None if bias is None else bias.astype(dtype)
-        with gemm_scope(self):
-            y = dense(x, kernel, bias, contracting_dims=(axis, tuple(range(len(axis)))), input_axes=self.input_axes,
-                      kernel_axes=self.kernel_axes or None, quantizer_set=group, precision=self.precision,
-                      transpose_batch_sequence=self.transpose_batch_sequence)
+        y = fp8_dense(self, x, kernel, bias, dtype, (axis, tuple(range(len(axis)))), self.input_axes,
+                      self.kernel_axes or None)
         if self.enable_low_rank_adaptation:
             moved = jnp.moveaxis(x, axis, tuple(range(x.ndim - len(axis), x.ndim)))
             y = y + low_rank_adaptation(self, moved, in_shape, features, self.low_rank_adaptation_dim,

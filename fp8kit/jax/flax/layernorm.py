@@ -8,7 +8,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from ..dense import dense
 from ..layernorm import canonicalize_norm_type, layernorm
 from ..sharding import with_sharding_constraint_by_logical_axes
 from .base import (
@@ -16,19 +15,34 @@ from .base import (
     compute_dtype,
     flat_bias_init,
     flat_kernel_init,
-    fp8_state,
-    gemm_scope,
+    fp8_dense,
     layernorm_params,
     low_rank_adaptation,
     normalize_axes,
-    record_forward,
     tuple_of,
-    uses_fp8,
     with_axes,
 )
 from .dense import check_checkpoint_name
 
-__all__ = ["LayerNorm", "LayerNormDenseGeneral", "apply_layernorm"]
+__all__ = ["LayerNorm", "LayerNormDenseGeneral", "apply_layernorm", "normed_input"]
+
+
+def normed_input(module: nn.Module, inputs: jax.Array, kind: str):
+    """The start of a layer with an optional norm before its GEMMs (LayerNormDenseGeneral, LayerNormMLP): the
+    checks (quantization_checkpoint_name, axis=-1 only), the computation dtype, the input in it, normalized when
+    `enable_layernorm`. Returns (dtype, normalized input, the normalized input when `return_layernorm_output`
+    else None)."""
+    check_checkpoint_name(module.quantization_checkpoint_name)
+    if normalize_axes(tuple_of(module.axis), inputs.ndim) != (inputs.ndim - 1,):
+        raise ValueError(f"axis: {kind} supports only axis=-1, got {module.axis!r}")
+    dtype = compute_dtype(module.dtype, inputs)
+    y = inputs.astype(dtype)
+    if module.enable_layernorm:
+        y = with_sharding_constraint_by_logical_axes(y, module.layernorm_input_axes)
+        y = apply_layernorm(module, y, module.layernorm_type, module.epsilon, module.zero_centered_gamma,
+                            module.scale_init, module.scale_axes, module.ln_bias_init, module.ln_bias_axes,
+                            module.param_dtype, dtype)
+    return dtype, y, (y if module.return_layernorm_output else None)
 
 
 def apply_layernorm(module: nn.Module, x: jax.Array, layernorm_type: str, epsilon: float, zero_centered_gamma: bool,
@@ -108,17 +122,7 @@ class LayerNormDenseGeneral(nn.Module):
     @nn.compact
     def __call__(self, inputs: jax.Array) -> Tuple[jax.Array, Optional[jax.Array]]:
         """inputs `[..., hidden]` -> (`[..., *features]`, normalized inputs or None), computation dtype."""
-        check_checkpoint_name(self.quantization_checkpoint_name)
-        if normalize_axes(tuple_of(self.axis), inputs.ndim) != (inputs.ndim - 1,):
-            raise ValueError(f"axis: LayerNormDenseGeneral supports only axis=-1, got {self.axis!r}")
-        dtype = compute_dtype(self.dtype, inputs)
-        y = inputs.astype(dtype)
-        if self.enable_layernorm:
-            y = with_sharding_constraint_by_logical_axes(y, self.layernorm_input_axes)
-            y = apply_layernorm(self, y, self.layernorm_type, self.epsilon, self.zero_centered_gamma,
-                                self.scale_init, self.scale_axes, self.ln_bias_init, self.ln_bias_axes,
-                                self.param_dtype, dtype)
-        ln_output = y if self.return_layernorm_output else None
+        dtype, y, ln_output = normed_input(self, inputs, "LayerNormDenseGeneral")
         features = tuple_of(self.features)
         kernel_shape = (y.shape[-1],) + features
         kernel = self.param("kernel", with_axes(flat_kernel_init(self.kernel_init, 1), self.kernel_axes),
@@ -127,16 +131,8 @@ class LayerNormDenseGeneral(nn.Module):
         if self.use_bias:
             bias = self.param("bias", with_axes(flat_bias_init(self.bias_init), self.bias_axes), features,
                               self.param_dtype)
-        group = fp8_state(self)
-        if uses_fp8(self):
-            record_forward(self, group, y, kernel)
-        else:
-            kernel = kernel.astype(dtype)
-            bias = None if bias is None else bias.astype(dtype)
-        with gemm_scope(self):
-            z = dense(y, kernel, bias, contracting_dims=((y.ndim - 1,), (0,)), input_axes=self.dot_input_axes,
-                      kernel_axes=self.kernel_axes or None, quantizer_set=group, precision=self.precision,
-                      transpose_batch_sequence=self.transpose_batch_sequence)
+        z = fp8_dense(self, y, kernel, bias, dtype, ((y.ndim - 1,), (0,)), self.dot_input_axes,
+                      self.kernel_axes or None)
         if self.enable_low_rank_adaptation:
             z = z + low_rank_adaptation(self, y, (y.shape[-1],), features, self.low_rank_adaptation_dim,
                                         self.low_rank_adaptation_alpha, self.kernel_init, param_dtype=self.param_dtype)

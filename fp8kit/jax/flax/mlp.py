@@ -10,23 +10,15 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from ..activation import activation
-from ..dense import dense
 from ..sharding import with_sharding_constraint_by_logical_axes
 from .base import (
     Initializer,
-    compute_dtype,
     default_kernel_init,
-    fp8_state,
-    gemm_scope,
+    fp8_dense,
     low_rank_adaptation,
-    normalize_axes,
-    record_forward,
-    tuple_of,
-    uses_fp8,
     with_axes,
 )
-from .dense import check_checkpoint_name
-from .layernorm import apply_layernorm
+from .layernorm import normed_input
 
 __all__ = ["LayerNormMLP", "normalize_activations"]
 
@@ -102,18 +94,8 @@ class LayerNormMLP(nn.Module):
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool = False) -> Tuple[jax.Array, Optional[jax.Array]]:
         """inputs `[..., hidden]` -> (`[..., hidden]`, normalized inputs or None), computation dtype."""
-        check_checkpoint_name(self.quantization_checkpoint_name)
-        if normalize_axes(tuple_of(self.axis), inputs.ndim) != (inputs.ndim - 1,):
-            raise ValueError(f"axis: LayerNormMLP supports only axis=-1, got {self.axis!r}")
         acts = normalize_activations(self.activations)
-        dtype = compute_dtype(self.dtype, inputs)
-        y = inputs.astype(dtype)
-        if self.enable_layernorm:
-            y = with_sharding_constraint_by_logical_axes(y, self.layernorm_input_axes)
-            y = apply_layernorm(self, y, self.layernorm_type, self.epsilon, self.zero_centered_gamma,
-                                self.scale_init, self.scale_axes, self.ln_bias_init, self.ln_bias_axes,
-                                self.param_dtype, dtype)
-        ln_output = y if self.return_layernorm_output else None
+        dtype, y, ln_output = normed_input(self, inputs, "LayerNormMLP")
         hidden, n_act, inter = y.shape[-1], len(acts), self.intermediate_dim
         wi = self.param("wi_kernel", with_axes(lambda k, s, d: self._wi_init(k, n_act, (hidden, inter), d),
                                                self.kernel_axes_1), (hidden, n_act, inter), self.param_dtype)
@@ -124,20 +106,9 @@ class LayerNormMLP(nn.Module):
             wi_bias = self.param("wi_bias", with_axes(self.bias_init, self.bias_axes_1), (n_act, inter),
                                  self.param_dtype)
             wo_bias = self.param("wo_bias", with_axes(self.bias_init, self.bias_axes_2), (hidden,), self.param_dtype)
-        fp8 = uses_fp8(self)
-        if not fp8:
-            wi, wo = wi.astype(dtype), wo.astype(dtype)
-            wi_bias = None if wi_bias is None else wi_bias.astype(dtype)
-            wo_bias = None if wo_bias is None else wo_bias.astype(dtype)
-
-        group_1 = fp8_state(self, "_0")
-        if fp8:
-            record_forward(self, group_1, y, wi, "_0")
         y = with_sharding_constraint_by_logical_axes(y, self.dot_1_input_axes)
-        with gemm_scope(self):
-            h = dense(y, wi, wi_bias, contracting_dims=((y.ndim - 1,), (0,)), input_axes=self.dot_1_input_axes,
-                      kernel_axes=self.kernel_axes_1 or None, quantizer_set=group_1, precision=self.precision,
-                      transpose_batch_sequence=self.transpose_batch_sequence)
+        h = fp8_dense(self, y, wi, wi_bias, dtype, ((y.ndim - 1,), (0,)), self.dot_1_input_axes,
+                      self.kernel_axes_1 or None, "_0")
         if self.enable_low_rank_adaptation:
             h = h + low_rank_adaptation(self, y, (hidden,), (n_act, inter), self.low_rank_adaptation_dim,
                                         self.low_rank_adaptation_alpha, self.kernel_init, "wi_", self.param_dtype)
@@ -147,13 +118,8 @@ class LayerNormMLP(nn.Module):
                        rng_collection=self.intermediate_dropout_rng_name)(z, deterministic=deterministic)
         z = with_sharding_constraint_by_logical_axes(z, self.dot_2_input_axes)
 
-        group_2 = fp8_state(self, "_1")
-        if fp8:
-            record_forward(self, group_2, z, wo, "_1")
-        with gemm_scope(self):
-            out = dense(z, wo, wo_bias, contracting_dims=((z.ndim - 1,), (0,)), input_axes=self.dot_2_input_axes,
-                        kernel_axes=self.kernel_axes_2 or None, quantizer_set=group_2, precision=self.precision,
-                        transpose_batch_sequence=self.transpose_batch_sequence)
+        out = fp8_dense(self, z, wo, wo_bias, dtype, ((z.ndim - 1,), (0,)), self.dot_2_input_axes,
+                        self.kernel_axes_2 or None, "_1")
         if self.enable_low_rank_adaptation:
             out = out + low_rank_adaptation(self, z, (inter,), (hidden,), self.low_rank_adaptation_dim,
                                             self.low_rank_adaptation_alpha, self.kernel_init, "wo_", self.param_dtype)

@@ -13,10 +13,7 @@ compiled and interpreted variants are separate module objects (`kernel_module`),
 
 from __future__ import annotations
 
-import importlib.util
 import os
-import sys
-import threading
 from typing import Optional
 
 import torch
@@ -31,16 +28,14 @@ from .cast_ops import (
     current_cast_transpose_dbias,
 )
 from .launch import Launch, observe_launches
+from .loader import _TRUE, interpreter_on, kernel_module
 from .update_ops import update, update_tensors
 
 __all__ = ["enabled", "set_enabled", "available", "use_for", "interpreter_on", "kernel_module", "cast_amax", "cast",
            "cast_transpose_amax", "cast_transpose_dbias", "amax", "current_cast", "current_cast_transpose_dbias",
            "update", "update_tensors", "observe_launches", "Launch"]
 
-_TRUE = ("1", "true", "yes", "on")
 _enabled: Optional[bool] = None  # None: follow FP8KIT_TRITON
-_modules: dict = {}
-_lock = threading.Lock()
 _triton_ok: Optional[bool] = None
 _capability: dict = {}  # CUDA device index -> compute capability
 
@@ -64,11 +59,6 @@ def use_for(x: torch.Tensor) -> bool:
     contiguous tensor of a supported dtype."""
     return enabled() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous() \
         and available(x.device)
-
-
-def interpreter_on() -> bool:
-    """Whether `TRITON_INTERPRET` is set to a true value in the environment (kernels then run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
 
 
 def _triton_importable() -> bool:
@@ -102,32 +92,3 @@ def available(device) -> bool:
     if device.type == "cpu":
         return interpreter_on() and _triton_importable()
     return False
-
-
-def kernel_module(interpret: bool):
-    """The kernel module `triton_fp8`, loaded with Triton's interpreter on (`interpret=True`, for CPU tensors) or
-    off (compiled, for CUDA tensors), whatever `TRITON_INTERPRET` says now. Each variant is loaded once."""
-    interpret = bool(interpret)
-    with _lock:
-        mod = _modules.get(interpret)
-        if mod is not None:
-            return mod
-        name = f"{__name__}._triton_fp8_{'interpreted' if interpret else 'compiled'}"
-        path = os.path.join(os.path.dirname(__file__), "triton_fp8.py")
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        saved = os.environ.get("TRITON_INTERPRET")
-        os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"  # read by triton.jit when it decorates
-        try:
-            sys.modules[name] = mod
-            spec.loader.exec_module(mod)
-        except BaseException:
-            sys.modules.pop(name, None)
-            raise
-        finally:
-            if saved is None:
-                del os.environ["TRITON_INTERPRET"]
-            else:
-                os.environ["TRITON_INTERPRET"] = saved
-        _modules[interpret] = mod
-        return mod

@@ -12,6 +12,8 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
 
+from .loader import interpreter_on, kernel_module
+
 FP8_INFO = {torch.float8_e4m3fn: (448.0, True), torch.float8_e5m2: (57344.0, False)}  # dtype: (max, is E4M3)
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -44,8 +46,6 @@ def observe_launches():
 
 def module_for(device: torch.device):
     """The kernel module that runs on `device`: compiled for CUDA, interpreted for CPU (needs TRITON_INTERPRET=1)."""
-    from . import interpreter_on, kernel_module  # lazy: the package imports this file
-
     if device.type == "cuda":
         return kernel_module(False)
     if device.type == "cpu":

@@ -1,5 +1,5 @@
 """fp8kit's layers: one module per file over shared pieces (base.py, linear_function.py, setup.py, norm.py,
-activation.py, gemm_call.py, splits.py)."""
+activation.py, splits.py; linear_base.py holds the one GEMM call path)."""
 
 from .fp8_padding import Fp8Padding
 from .fp8_unpadding import Fp8Unpadding

@@ -4,26 +4,25 @@ decides (`FP8Call`: FP8 or not, quantizers, backward bookkeeping, activation rec
 
 from __future__ import annotations
 
-import math
 import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ...recipe import FLT_MAX, SCALE_MIN, DelayedScaling
+from ...recipe import DelayedScaling
 from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
-from ..cast import fp8_dtype_of
 from ..compiled import compiling, note_compiled_call
-from ..distributed import label_states
-from ..quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
+from ..dist_rules import label_states
+from ..recipe_families import recipe_family
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
-from ..te_checkpoint import with_te_extra_state
+from ..state_entry import FIELDS as _FIELDS
+from ..state_entry import CheckpointEntryError, bad_fp8_entry
+from ..te_checkpoint import accept_extra_state, with_te_extra_state
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 STATE_CAPACITY = DelayedScaling.amax_history_len  # history rows allocated up front (the default recipe's length)
-_FIELDS = ("amax_history", "scale", "update_count")
 
 
 class FP8Call:
@@ -53,22 +52,9 @@ class FP8Call:
         return self.frame.step
 
     def quantizers(self, gemm: int = 0):
-        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module."""
-        recipe = self.frame.recipe
-        fmt = recipe.fp8_format.value
-        fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
-        if isinstance(recipe, DelayedScaling):
-            fwd, bwd = self._states
-            grad_q = DelayedQuantizer(bwd, 2 * gemm, bwd_dtype)
-            if self.replay:
-                scales = self.record.scales
-                return FixedScaleQuantizer(scales[3 * gemm], fwd_dtype), \
-                    FixedScaleQuantizer(scales[3 * gemm + 1], fwd_dtype), grad_q
-            return DelayedQuantizer(fwd, 3 * gemm, fwd_dtype), DelayedQuantizer(fwd, 3 * gemm + 1, fwd_dtype), grad_q
-        groups = self.module.current_scaling_groups(gemm)
-        roles = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
-        return tuple(CurrentQuantizer(dtype, q.amax_epsilon, q.power_2_scale, group)
-                     for dtype, q, group in zip((fwd_dtype, fwd_dtype, bwd_dtype), roles, groups))
+        """(input, weight, grad_output) quantizers of GEMM `gemm` of the module, from the recipe's family
+        (fp8kit.pytorch.recipe_families: the one place that knows the recipe types)."""
+        return recipe_family(type(self.frame.recipe)).quantizers(self, gemm)
 
     def count_gemm_backwards(self, gemms: int) -> None:
         """Say that this call's backward runs `gemms` GEMM backwards which each report to the step when they are done
@@ -258,28 +244,33 @@ class FP8StateMixin:
             destination[base + "scale"] = state.scale
             destination[base + "update_count"] = state.count if keep_vars else state.count.detach()
 
+    def fp8_entries(self, state_dict, prefix: str):
+        """This module's FP8 entries of a checkpoint, checked: {pass name: {field: value}} (passes the checkpoint
+        lacks are left out: a torch.nn.Linear checkpoint keeps the current state). Transformer Engine's
+        `<prefix>_extra_state` (te_checkpoint.py, read without arbitrary pickle) stands in when the checkpoint has
+        none of fp8kit's keys. Raises CheckpointEntryError (a ValueError) naming the first bad key."""
+        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms)
+        entries = {}
+        for name, per_gemm in _PASSES:
+            base = f"{prefix}fp8_meta.{name}"
+            found = {f: state_dict[f"{base}.{f}"] for f in _FIELDS if f"{base}.{f}" in state_dict}
+            if not found:
+                continue
+            field, problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
+            if problem:
+                raise CheckpointEntryError(f"{base}.{field}: {problem}" if field else f"{base}: {problem}")
+            entries[name] = found
+        return entries
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        # All or nothing: every FP8 entry is checked before anything of this module (parameters included) loads.
+        entries = self.fp8_entries(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
         ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
-        # Transformer Engine's `<prefix>_extra_state`, read without arbitrary pickle (te_checkpoint.py): accepted,
-        # and used as the fp8_meta entries when the checkpoint has none of fp8kit's
-        state_dict = with_te_extra_state(state_dict, prefix, self.num_gemms, unexpected_keys, error_msgs)
-        entries, problems = {}, []
-        for name, per_gemm in _PASSES:
-            base = f"{prefix}fp8_meta.{name}."
-            found = {f: state_dict[base + f] for f in _FIELDS if base + f in state_dict}
-            if not found:
-                continue  # e.g. a torch.nn.Linear checkpoint: keep the current state
-            problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
-            if problem:
-                problems.append(f"{base[:-1]}: {problem}")
-            entries[name] = found
-        if problems:  # all or nothing: a module never holds half of a checkpoint's FP8 state
-            error_msgs.extend(problems)
-            return
+        accept_extra_state(prefix, unexpected_keys)  # Transformer Engine's `<prefix>_extra_state` is expected
         for name, found in entries.items():
             self._load_state(name, found)
 
@@ -304,35 +295,3 @@ def _scale_snapshot(states):
     if host.active(scale.device):
         return states[0].host_views()[1].tolist()  # Python floats: the host path casts with floats
     return scale.detach().clone()  # indexing gives the 0-d scale a tensor-path cast takes
-
-
-def bad_fp8_entry(found, slots: int) -> str:
-    """Why a checkpoint's `fp8_meta.<pass>` entry cannot be loaded into a state of `slots` slots ("" if it can)."""
-    missing = [f for f in _FIELDS if f not in found]
-    if missing:
-        return f"missing {', '.join(missing)}"
-    history, scale, count = found["amax_history"], found["scale"], found["update_count"]
-    for field, value in (("amax_history", history), ("scale", scale), ("update_count", count)):
-        if not isinstance(value, torch.Tensor):
-            return f"{field} must be a tensor, got {type(value).__name__}"
-    if history.dim() != 2 or history.shape[1] != slots or history.shape[0] < 1:
-        return f"amax_history must have shape [L >= 1, {slots}], got {tuple(history.shape)}"
-    if tuple(scale.shape) != (slots,):
-        return f"scale must have shape [{slots}], got {tuple(scale.shape)}"
-    if not (history.is_floating_point() and scale.is_floating_point()):
-        return f"amax_history and scale must be floating, got {history.dtype} and {scale.dtype}"
-    s32 = scale.detach().cpu().to(torch.float32)
-    ok = torch.isfinite(s32) & (s32 >= SCALE_MIN) & (s32 <= FLT_MAX)
-    if not bool(ok.all()):
-        bad = scale.detach().cpu()[~ok][:4].tolist()
-        return (f"scale holds values that are not finite and within [{SCALE_MIN:.4g}, {FLT_MAX:.4g}] as float32: "
-                f"{bad}")
-    h32 = history.detach().cpu().to(torch.float32)
-    if bool((h32 < 0).any()):
-        return f"amax_history holds negative values (an amax is never negative): {h32[h32 < 0][:4].tolist()}"
-    if count.numel() != 1 or count.dim() > 1:
-        return f"update_count must hold one number (shape [] or [1]), got shape {tuple(count.shape)}"
-    value = count.detach().cpu().reshape(()).double().item()
-    if not (math.isfinite(value) and value >= 0 and value == int(value)) or count.dtype == torch.bool:
-        return f"update_count must be an integer >= 0, got {value!r} ({count.dtype})"
-    return ""

@@ -6,6 +6,7 @@ the module computes exactly what `num_gemms` separate `Linear`s compute on the s
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Dict, Optional
 
 import torch
@@ -14,9 +15,16 @@ from ...recipe import DelayedScaling
 from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
 from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8StateMixin
-from .gemm_call import linear_call, track_gemm_backwards
+from .linear_base import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
-from .setup import default_init_method, divide, gemm_plan, init_parameter, keep_cached_weight
+from .setup import (
+    default_init_method,
+    divide,
+    gemm_plan,
+    high_precision_gemm_plan,
+    init_parameter,
+    keep_cached_weight,
+)
 from .splits import check_splits
 
 __all__ = ["GroupedLinear"]
@@ -160,14 +168,17 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
         if not isinstance(inp, torch.Tensor) or inp.dim() < 1 or inp.shape[-1] != self.in_features:
             raise ValueError(f"{_KIND}: input of shape {tuple(getattr(inp, 'shape', ()))} does not end with "
                              f"in_features={self.in_features}")
-        x = inp.reshape(-1, self.in_features)
+        x = inp.reshape(math.prod(inp.shape[:-1]), self.in_features)  # in_features may be 0
         splits = check_splits(_KIND, m_splits, self.num_gemms, x.shape[0])
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         biases = [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
         applied = [None] * self.num_gemms if self.return_bias else biases
         call = self.begin_fp8_call([inp] + weights + biases, weights[0].device)
-        plans = [None] * self.num_gemms
-        if call is not None:
+        if call is None:
+            stores = self.wgrad_stores or (None,) * self.num_gemms
+            plans = [high_precision_gemm_plan(self, None, is_first_microbatch, w, store)
+                     for w, store in zip(weights, stores)]
+        else:
             if self.tp_size > 1 and not isinstance(call.frame.recipe, DelayedScaling):
                 raise ValueError(f"{_KIND}: current scaling with tp_size={self.tp_size} is not supported (the module "
                                  "runs no collective to reduce the split weights' amaxes), as in Transformer Engine")

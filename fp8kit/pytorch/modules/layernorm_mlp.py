@@ -24,7 +24,7 @@ from ..recompute import in_backward
 from ..tensor.float8_tensor import Float8Tensor
 from .activation import activation, activation_saving_input, check_activation, is_gated
 from .base import FP8StateMixin
-from .gemm_call import high_precision_plan, linear_call, track_gemm_backwards
+from .linear_base import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
 from .norm import check_eps, check_normalization, normalize
 from .setup import (
@@ -32,6 +32,7 @@ from .setup import (
     default_init_method,
     divide,
     gemm_plan,
+    high_precision_gemm_plan,
     init_parameter,
     keep_cached_weight,
     resolve_tensor_parallel,
@@ -42,9 +43,10 @@ __all__ = ["LayerNormMLP"]
 _KIND = "LayerNormMLP"
 
 
-def _positive_int(name: str, value) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{_KIND}: {name} must be an int >= 1, got {value!r}")
+def _size(name: str, value) -> int:
+    """A feature size: an int >= 0 (0 is a layer with nothing to multiply, as Transformer Engine allows)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{_KIND}: {name} must be an int >= 0, got {value!r}")
     return value
 
 
@@ -122,8 +124,8 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
         dtype: Optional[torch.dtype] = None,
     ) -> None:
         torch.nn.Module.__init__(self)
-        self.hidden_size = _positive_int("hidden_size", hidden_size)
-        self.ffn_hidden_size = _positive_int("ffn_hidden_size", ffn_hidden_size)
+        self.hidden_size = _size("hidden_size", hidden_size)
+        self.ffn_hidden_size = _size("ffn_hidden_size", ffn_hidden_size)
         self.normalization = check_normalization(_KIND, normalization)
         self.eps = check_eps(_KIND, eps)
         self.activation = activation
@@ -260,10 +262,10 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
         ln_out = normalize(self.normalization, inp, ln_w, ln_b, self.eps, self.zero_centered_gamma)
         if call is not None:
             plans = self._fp8_plans(call, tp1, tp2, is_first_microbatch, (inp, ln_w, ln_b, w1, b1), (w2, b2))
-        elif tp1 is not None:
-            plans = (high_precision_plan(tp1), high_precision_plan(tp2))
         else:
-            plans = (None, None)
+            stores = self.wgrad_stores or (None, None)
+            plans = (high_precision_gemm_plan(self, tp1, is_first_microbatch, w1, stores[0]),
+                     high_precision_gemm_plan(self, tp2, is_first_microbatch, w2, stores[1]))
         fc1_out = linear_call(_KIND, ln_out, w1, b1, plans[0], self.hidden_size)
         act = activation_saving_input if call is not None else activation
         act_out = act(self.activation, fc1_out, self.activation_params)

@@ -1,11 +1,13 @@
-"""What the layers with one (possibly split) weight share: Transformer Engine's parameter layout and
-initialisation, tensor parallelism, the forward of the weight's GEMM (FP8 or high precision), delayed weight
-gradients. `Linear` and `LayerNormLinear` derive from it."""
+"""The one GEMM call path of every module (`linear_call`), and what the layers with one (possibly split) weight
+share: Transformer Engine's parameter layout and initialisation, tensor parallelism, the forward of the weight's
+GEMM (FP8 or high precision), delayed weight gradients. `Linear` and `LayerNormLinear` derive from `LinearBase`;
+LayerNormMLP and GroupedLinear call `linear_call` per GEMM, so a fused module gives the numbers of the same
+`Linear`s called one after the other."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +17,7 @@ from ..distributed import check_shared_scales, tensor_parallel
 from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
 from ..gemm import check_cuda_shape
 from ..tensor.float8_tensor import Float8Tensor
-from .base import FP8StateMixin
+from .base import FP8Call, FP8StateMixin
 from .linear_function import LinearPlan, WeightGradStore, fp8_linear
 from .setup import (
     accept_userbuffer_options,
@@ -23,13 +25,55 @@ from .setup import (
     default_init_method,
     divide,
     gemm_plan,
+    high_precision_gemm_plan,
     init_parameter,
     keep_cached_weight,
     resolve_tensor_parallel,
     weight_splits,
 )
 
-__all__ = ["LinearBase"]
+__all__ = ["LinearBase", "linear_call", "track_gemm_backwards"]
+
+
+def linear_call(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                plan: Optional[LinearPlan], in_features: int) -> torch.Tensor:
+    """`inp @ weight.T + bias` for `inp` `[..., in_features]`: the one GEMM call path of every module (Linear,
+    LayerNormLinear, LayerNormMLP's fc1 and fc2, GroupedLinear's GEMMs, attention's projections). `plan` None:
+    torch.nn.functional.linear; else `fp8_linear` on the 2-D view of the input (torch.autocast's dtype applied to
+    the operands first) with the plan's tensor-parallel collectives. `where` names the module in errors."""
+    if plan is None:
+        return F.linear(inp, weight, bias)
+    autocast_on = torch.is_autocast_enabled(inp.device.type)
+    inp, weight, bias = check_operands(where, inp, weight, bias, in_features, autocast_on)
+    tp = plan.tp
+    if tp is not None and tp.sequence_parallel:
+        if inp.dim() < 2:
+            raise ValueError(f"{where}(sequence_parallel=True): the input needs a sequence dimension first, got "
+                             f"shape {tuple(inp.shape)}")
+        if tp.mode == "row" and inp.shape[0] % tp.size:
+            raise ValueError(f"{where}(sequence_parallel=True): the sequence dimension ({inp.shape[0]}) of the "
+                             f"row-parallel GEMM's input must be divisible by the tensor-parallel size {tp.size}")
+    leading = inp.shape[:-1]
+    x = inp.reshape(math.prod(leading), in_features)
+    if autocast_on:  # the operands are cast already; the GEMMs pick their dtypes
+        with torch.autocast(x.device.type, enabled=False):
+            y = fp8_linear(x, weight, bias, plan)
+    else:
+        y = fp8_linear(x, weight, bias, plan)
+    if tp is not None and tp.sequence_parallel:
+        first = leading[0] * tp.size if tp.mode == "column" else leading[0] // tp.size
+        leading = (first,) + tuple(leading[1:])
+    return y.reshape(*leading, y.shape[-1])
+
+
+def track_gemm_backwards(call: FP8Call, plans: Sequence[LinearPlan], operands: List[Sequence]) -> None:
+    """Make every GEMM whose backward will run report to the step's backward update (`operands[g]`: the leaf tensors
+    GEMM g's backward depends on; its autograd node runs when one of them requires grad)."""
+    runs = [any(t is not None and t.requires_grad for t in group) for group in operands]
+    for plan, run in zip(plans, runs):
+        plan.track_backward = call.track_backward and run
+    if call.track_backward:
+        call.count_gemm_backwards(sum(runs))
 
 
 class LinearBase(FP8StateMixin):
@@ -161,10 +205,13 @@ class LinearBase(FP8StateMixin):
         # LayerNormLinear's norm output do not require grad, yet a recompute with a backward follows
         call = self.begin_fp8_call((inp, weight, bias, *self.parameters(recurse=False)), weight.device)
         if call is None:
-            if tp is None:
+            plan = None
+            if tp is not None or self.fuse_wgrad_accumulation or self.wgrad_store is not None:
+                param = weight if len(self.weight_names) == 1 else None
+                plan = high_precision_gemm_plan(self, tp, is_first_microbatch, param, self.wgrad_store)
+            if plan is None:
                 return F.linear(inp, weight, applied_bias)
-            return self._run(inp, weight, applied_bias, LinearPlan(None, None, None, (False, False, False), tp=tp),
-                             torch.is_autocast_enabled(inp.device.type))
+            return linear_call(self._kind, inp, weight, applied_bias, plan, self.in_features)
         return self._forward_fp8(inp, weight, applied_bias, call, is_first_microbatch)
 
     def _forward_fp8(self, inp, weight, bias, call, is_first_microbatch):
@@ -178,31 +225,9 @@ class LinearBase(FP8StateMixin):
             check_shared_scales(call.frame, tp)
         param = getattr(self, self.weight_names[0]) if len(self.weight_names) == 1 else None
         plan = gemm_plan(self, call, 0, tp, is_first_microbatch, param)
-        y = self._run(inp, weight, bias, plan, torch.is_autocast_enabled(inp.device.type))
+        y = linear_call(self._kind, inp, weight, bias, plan, self.in_features)
         keep_cached_weight(self, 0, plan, is_first_microbatch, call)
         return y
-
-    def _run(self, inp, weight, bias, plan: LinearPlan, autocast_on: bool) -> torch.Tensor:
-        inp, weight, bias = check_operands(self._kind, inp, weight, bias, self.in_features, autocast_on)
-        tp = plan.tp
-        if tp is not None and tp.sequence_parallel:
-            if inp.dim() < 2:
-                raise ValueError(f"{self._kind}(sequence_parallel=True): the input needs a sequence dimension first, "
-                                 f"got shape {tuple(inp.shape)}")
-            if tp.mode == "row" and inp.shape[0] % tp.size:
-                raise ValueError(f"{self._kind}(parallel_mode='row', sequence_parallel=True): the sequence dimension "
-                                 f"({inp.shape[0]}) must be divisible by the tensor-parallel size {tp.size}")
-        leading = inp.shape[:-1]
-        x = inp.reshape(math.prod(leading), self.in_features)
-        if autocast_on:  # the operands are cast already; the GEMMs pick their dtypes
-            with torch.autocast(x.device.type, enabled=False):
-                y = fp8_linear(x, weight, bias, plan)
-        else:
-            y = fp8_linear(x, weight, bias, plan)
-        if tp is not None and tp.sequence_parallel:
-            first = leading[0] * tp.size if tp.mode == "column" else leading[0] // tp.size
-            leading = (first,) + tuple(leading[1:])
-        return y.reshape(*leading, y.shape[-1])
 
     # ---- delayed weight gradients ----
 

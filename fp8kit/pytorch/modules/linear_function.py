@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from ..distributed import all_gather_fp8, all_reduce_sum, gather_along_first_dim, reduce_scatter_along_first_dim
 from ..gemm import gemm
+from ..quantized_tensor import QuantizedTensorStorage
 from ..tensor.storage import Float8TensorStorage
 
 __all__ = ["LinearPlan", "WeightGradStore", "fp8_linear"]
@@ -104,19 +105,13 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _LinearFunction.apply(x, weight, bias, plan)
 
 
-def _backward_layout(q: Float8TensorStorage) -> torch.Tensor:
-    """The bytes to save of an FP8 operand: its transpose seen as a column-major view when the cast wrote one (what
-    the dgrad / wgrad GEMM reads without a copy), else its row-major data."""
-    return q._transpose.t() if q._transpose is not None else q._data
-
-
-def _stored(data, inv, inv_value) -> Float8TensorStorage:
-    """A saved FP8 operand back as a storage (its nominal dtype does not matter to the GEMMs)."""
-    return Float8TensorStorage(data=data, fp8_scale_inv=inv, scale_inv_value=inv_value)
-
-
-def _dequantized(saved, inv, inv_value, dtype):
-    return _stored(saved, inv, inv_value).dequantize(dtype=dtype)
+def _weight_operand(plan: LinearPlan, rebuild, saved, inv, inv_value):
+    """The FP8 weight for dgrad: the forward's storage itself when it still holds the saved bytes (no saved-tensor
+    hook replaced them), so that the CPU GEMM's widened values made in the forward serve again; else rebuilt."""
+    forward = plan.weight_fp8
+    if forward is not None and getattr(forward, "_data", None) is saved:
+        return forward
+    return rebuild(saved, inv, inv_value)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -157,15 +152,16 @@ class _LinearFunction(torch.autograd.Function):
         # Save FP8 operands where the backward uses them, high-precision ones only where it must.
         x_as_fp8 = keep_x_fp8 or (mode == "dequantized" and fprop and not plan.save_original_input)
         w_as_fp8 = dgrad or (mode == "dequantized" and fprop)
-        ctx.save_for_backward(  # an FP8 operand with its transpose is saved as that (column-major) layout
-            _backward_layout(x_fp8) if x_as_fp8 else x,
-            x_fp8._scale_inv if x_as_fp8 else None,
-            _backward_layout(w_fp8) if w_as_fp8 else weight,
-            w_fp8._scale_inv if w_as_fp8 else None,
-        )
+        # An FP8 operand is saved in the form its storage class gives (saved_form) and rebuilt by it (from_saved):
+        # the GEMMs of each recipe family read their own storage.
+        x_saved, x_inv = x_fp8.saved_form() if x_as_fp8 else (x, None)
+        w_saved, w_inv = w_fp8.saved_form() if w_as_fp8 else (weight, None)
+        ctx.save_for_backward(x_saved, x_inv, w_saved, w_inv)
         ctx.plan = plan
         ctx.as_fp8 = (x_as_fp8, w_as_fp8)
+        ctx.rebuild = (x_fp8.from_saved if x_as_fp8 else None, w_fp8.from_saved if w_as_fp8 else None)
         ctx.inv_values = (x_fp8.scale_inv_value if x_as_fp8 else None, w_fp8.scale_inv_value if w_as_fp8 else None)
+        ctx.x_codes_finite = x_as_fp8 and getattr(x_fp8, "_codes_finite", False)
         ctx.dtypes = (x.dtype, weight.dtype)
         ctx.has_bias = bias is not None
         return y
@@ -202,17 +198,20 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if dgrad:
-                dx = gemm(dy_fp8, _stored(w_saved, w_inv, ctx.inv_values[1]), x_dtype,
+                dx = gemm(dy_fp8, _weight_operand(plan, ctx.rebuild[1], w_saved, w_inv, ctx.inv_values[1]), x_dtype,
                           use_fast_accum=plan.fast_accum[1])
             else:
-                w = _dequantized(w_saved, w_inv, ctx.inv_values[1], dy.dtype) if w_as_fp8 else w_saved
+                w = ctx.rebuild[1](w_saved, w_inv, ctx.inv_values[1]).dequantize(dtype=dy.dtype) if w_as_fp8 \
+                    else w_saved
                 dx = dy @ w
             if tp is not None and tp.mode == "column":  # partial sums over the output shards
                 dx = reduce_scatter_along_first_dim(dx, tp.group) if tp.sequence_parallel \
                     else all_reduce_sum(dx, tp.group)
         if ctx.needs_input_grad[1]:
             if x_as_fp8:
-                x_operand = _stored(x_saved, x_inv, ctx.inv_values[0])
+                x_operand = ctx.rebuild[0](x_saved, x_inv, ctx.inv_values[0])
+                if ctx.x_codes_finite:  # the forward's cast saw no NaN: the widening needs no check
+                    x_operand._codes_finite = True
             elif wgrad:  # save_original_input: cast the original input again (current scaling repeats its bytes)
                 x_operand = plan.input_q.quantize(x_saved)
             else:
@@ -236,10 +235,12 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
     def compute() -> torch.Tensor:
         if fp8:
             return gemm(dy.transposed(), x, out_dtype, use_fast_accum=plan.fast_accum[2])
-        if isinstance(x, Float8TensorStorage):  # backward_override="dequantized"
+        if isinstance(x, QuantizedTensorStorage):  # backward_override="dequantized"
             x_hp = x.dequantize(dtype=dy.dtype)
         else:
             x_hp = x
+        if fuse and dy.dtype != torch.float32:  # into main_grad: float32 sums of the exact products, rounded once
+            return dy.t().float() @ x_hp.float()
         return (dy.t() @ x_hp).to(out_dtype)
 
     if not fuse and plan.wgrad_store is None:
@@ -249,11 +250,8 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
     def apply() -> None:
         dw = compute()
         if fuse:
-            main_grad = getattr(param, "main_grad", None)
-            if main_grad is None:
-                raise RuntimeError("fp8kit: fuse_wgrad_accumulation=True needs weight.main_grad (a float32 buffer of "
-                                   "the weight's shape) before the backward")
-            if overwrite:
+            main_grad = _main_grad(param)
+            if overwrite or getattr(param, "overwrite_main_grad", False):
                 main_grad.copy_(dw)
             else:
                 main_grad.add_(dw)
@@ -269,3 +267,16 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
         param.grad_added_to_main_grad = True
         return torch.zeros_like(param)
     return None
+
+
+def _main_grad(param: torch.Tensor) -> torch.Tensor:
+    """Where `fuse_wgrad_accumulation` puts dW, as Transformer Engine finds it: `param.get_main_grad()` for Megatron's
+    FSDP parameters (which create the buffer lazily), else `param.main_grad`."""
+    main_grad = param.get_main_grad() if hasattr(param, "__fsdp_param__") else getattr(param, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("fp8kit: fuse_wgrad_accumulation=True needs weight.main_grad (a float32 buffer of the "
+                           "weight's shape) before the backward")
+    if main_grad.shape != param.shape:
+        raise RuntimeError(f"fp8kit: weight.main_grad has shape {tuple(main_grad.shape)}, the weight "
+                           f"{tuple(param.shape)}")
+    return main_grad

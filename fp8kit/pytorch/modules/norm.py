@@ -1,7 +1,12 @@
 """LayerNorm and RMSNorm with Transformer Engine's options, as functions (shared by the fused modules) and as
-modules (`te.LayerNorm`, `te.RMSNorm`). They run in high precision, with torch's own kernels
-(`torch.nn.functional.layer_norm` / `rms_norm`), so without `zero_centered_gamma` they equal `torch.nn.LayerNorm`
-and `torch.nn.RMSNorm` bit for bit."""
+modules (`te.LayerNorm`, `te.RMSNorm`).
+
+Precision, as Transformer Engine's norm kernels: the operands are first cast to the output dtype (the torch.autocast
+dtype inside torch.autocast, else the input's dtype in the fused modules and the weight's in `LayerNorm` /
+`RMSNorm`); for bf16 / fp16, forward and backward are then computed in float32 (torch's `layer_norm` / `rms_norm` on
+float32 tensors) and each result is rounded once to its dtype. (torch's own CPU kernels at bf16 / fp16 round partial
+results, which puts dbeta off by whole units.) In float32 and float64 they are `torch.nn.LayerNorm` /
+`torch.nn.RMSNorm` on the contiguous input, bit for bit."""
 
 from __future__ import annotations
 
@@ -16,25 +21,42 @@ from ..te_checkpoint import accept_extra_state
 __all__ = ["LayerNorm", "RMSNorm", "normalize", "NORMALIZATIONS"]
 
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
+_NARROW = (torch.bfloat16, torch.float16)
 
 
-def _gamma(weight: torch.Tensor, zero_centered_gamma: bool) -> torch.Tensor:
-    # zero_centered_gamma: the parameter holds gamma - 1 (weight decay pulls the scale towards 1, not 0)
-    return weight + 1 if zero_centered_gamma else weight
+def _widened(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`t` rounded to `dtype` (Transformer Engine casts the operands to the output dtype first), then as float32 if
+    that dtype is 16-bit (float32 and float64 compute in their own dtype)."""
+    if t.dtype != dtype:
+        t = t.to(dtype)
+    return t.float() if dtype in _NARROW else t
 
 
 def normalize(normalization: str, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-              zero_centered_gamma: bool = False) -> torch.Tensor:
+              zero_centered_gamma: bool = False, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """LayerNorm (`(x - mean) / sqrt(var + eps) * gamma + beta`) or RMSNorm (`x / sqrt(mean(x**2) + eps) * gamma`)
-    over the trailing `weight.dim()` dimensions of `x`; gamma is `weight`, or `1 + weight` with
-    `zero_centered_gamma`."""
+    over the trailing `weight.dim()` dimensions of `x`; gamma is `weight`, or `1 + weight` (in the compute dtype) with
+    `zero_centered_gamma`. The result has the torch.autocast dtype inside torch.autocast, else `dtype` (default: x's
+    dtype); for bf16 / fp16 the math runs in float32 (see the module docstring)."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        with torch.autocast(device_type, enabled=False):  # the float32 math is not autocast's to change
+            return normalize(normalization, x, weight, bias, eps, zero_centered_gamma,
+                             torch.get_autocast_dtype(device_type))
+    if dtype is None:
+        dtype = x.dtype
     shape = tuple(weight.shape)
-    gamma = _gamma(weight, zero_centered_gamma)
+    x32 = _widened(x.contiguous(), dtype)
+    gamma = _widened(weight, dtype)
+    if zero_centered_gamma:  # the parameter holds gamma - 1 (weight decay pulls the scale towards 1, not 0)
+        gamma = gamma + 1
     if normalization == "LayerNorm":
-        return F.layer_norm(x, shape, gamma, bias, eps)
-    if normalization == "RMSNorm":
-        return F.rms_norm(x, shape, gamma, eps)
-    raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+        y = F.layer_norm(x32, shape, gamma, None if bias is None else _widened(bias, dtype), eps)
+    elif normalization == "RMSNorm":
+        y = F.rms_norm(x32, shape, gamma, eps)
+    else:
+        raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {normalization!r}")
+    return y if y.dtype == dtype else y.to(dtype)
 
 
 def check_normalization(where: str, normalization) -> str:
@@ -110,7 +132,7 @@ class _Norm(torch.nn.Module):
             raise ValueError(f"{self._kind}: input of shape {tuple(inp.shape)} does not end with normalized_shape "
                              f"{self.normalized_shape}")
         return normalize(self._kind, inp, self.weight, getattr(self, "bias", None), self.eps,
-                         self.zero_centered_gamma)
+                         self.zero_centered_gamma, self.weight.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, eps={self.eps}, zero_centered_gamma={self.zero_centered_gamma}"
@@ -122,7 +144,8 @@ class LayerNorm(_Norm):
     Args: normalized_shape (or the older `hidden_size`), eps, sequence_parallel (sets the parameters'
     `sequence_parallel` attribute, as Transformer Engine does for Megatron), params_dtype (or `dtype`), device,
     zero_centered_gamma (the weight holds gamma - 1 and starts at 0), sm_margin (accepted, no effect).
-    Parameters `weight`, `bias`, as torch.nn.LayerNorm."""
+    Parameters `weight`, `bias`, as torch.nn.LayerNorm. The output has the weight's dtype (the input is cast to it),
+    or torch.autocast's dtype inside torch.autocast, as in Transformer Engine; bf16 / fp16 are computed in float32."""
 
     _kind = "LayerNorm"
     _has_bias = True

@@ -9,16 +9,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from ...recipe import DelayedScaling
 from ..compiled import compiling
 from ..distributed import TensorParallel, tensor_parallel
+from ..recipe_families import recipe_family
 from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.storage import Float8TensorStorage
 from .base import FP8Call
 from .linear_function import LinearPlan
 
 __all__ = ["resolve_tensor_parallel", "default_init_method", "init_parameter", "weight_splits", "check_operands",
-           "gemm_plan", "accept_userbuffer_options", "divide"]
+           "gemm_plan", "high_precision_gemm_plan", "accept_userbuffer_options", "divide"]
 
 _UB_OPTIONS = ("ub_overlap_ag", "ub_overlap_rs", "ub_overlap_rs_dgrad", "ub_bulk_dgrad", "ub_bulk_wgrad",
                "ub_overlap_rs_fprop", "ub_overlap_ag_fprop", "ub_overlap_rs_dgrad")
@@ -162,23 +162,34 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
                             "a recipe of the same format")
         cached = weight_param.storage_view()
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
-    if isinstance(recipe, DelayedScaling):
-        if module.save_original_input and call.fp8[2]:
-            raise ValueError(f"{type(module).__name__}(save_original_input=True) cannot run under DelayedScaling: a "
-                             "delayed-scaling cast of the saved input would record its amax a second time (as in "
-                             "Transformer Engine); use Float8CurrentScaling or save_original_input=False")
-    else:
-        plan.fast_accum = tuple(not p.use_split_accumulator
-                                for p in (recipe.fp8_gemm_fprop, recipe.fp8_gemm_dgrad, recipe.fp8_gemm_wgrad))
-        plan.backward_override = recipe.backward_override
-        if recipe.backward_override is not None:
-            plan.fp8 = (call.fp8[0], False, False)
+    recipe_family(type(recipe)).configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input
+    return _weight_grad_options(plan, module, is_first_microbatch, weight_param, module.wgrad_store)
+
+
+_NO_FP8 = (False, False, False)
+
+
+def high_precision_gemm_plan(module, tp: Optional[TensorParallel], is_first_microbatch: Optional[bool],
+                             weight_param: Optional[torch.nn.Parameter], store) -> Optional[LinearPlan]:
+    """The plan of a GEMM outside FP8 (no autocast, or enabled=False): None (plain `torch.nn.functional.linear`)
+    unless the GEMM is split over a tensor-parallel group or its weight gradient goes into `main_grad`
+    (`fuse_wgrad_accumulation`) or to `backward_dw` (`store`, a WeightGradStore: `delay_wgrad_compute`), which
+    Transformer Engine does in any precision."""
+    wgrad = (module.fuse_wgrad_accumulation or store is not None) and weight_param is not None \
+        and weight_param.requires_grad and torch.is_grad_enabled()
+    if tp is None and not wgrad:
+        return None
+    plan = LinearPlan(None, None, None, _NO_FP8, tp=tp)
+    return _weight_grad_options(plan, module, is_first_microbatch, weight_param, store) if wgrad else plan
+
+
+def _weight_grad_options(plan: LinearPlan, module, is_first_microbatch, weight_param, store) -> LinearPlan:
     plan.weight_param = weight_param
     plan.fuse_wgrad = module.fuse_wgrad_accumulation
     plan.overwrite_main_grad = is_first_microbatch is True
-    if module.wgrad_store is not None:
-        plan.wgrad_store = module.wgrad_store
+    if store is not None:
+        plan.wgrad_store = store
     return plan
 
 

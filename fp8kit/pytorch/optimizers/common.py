@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections import defaultdict
 from typing import Dict, Iterable, List, Optional, Tuple
 
@@ -81,3 +82,34 @@ def by_device(rows: Iterable[Tuple[torch.Tensor, ...]]) -> Dict[torch.device, Li
         for col, t in zip(cols, row):
             col.append(t)
     return out
+
+
+class KeepsOptions:
+    """Mixed into an Optimizer whose options live as attributes named in `_OPTIONS`: torch's
+    `Optimizer.__getstate__` keeps only defaults, state and param_groups, so pickles and deep copies add them."""
+
+    _OPTIONS: Tuple[str, ...] = ()
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update({name: getattr(self, name) for name in self._OPTIONS})
+        return state
+
+
+def deprecated_set_grad_none(kind: str, set_grad_none: Optional[bool]) -> Optional[bool]:
+    """Transformer Engine's constructor argument `set_grad_none`, deprecated there with this warning."""
+    if set_grad_none is not None:
+        warnings.warn(f"set_grad_none kwarg in {kind} constructor is deprecated. Use set_to_none kwarg in "
+                      "zero_grad instead.", DeprecationWarning, stacklevel=3)
+    return set_grad_none
+
+
+def zero_grad_set_to_none(kind: str, set_grad_none: Optional[bool], set_to_none: Optional[bool]) -> bool:
+    """What `zero_grad(set_to_none)` does: the constructor's `set_grad_none` wins (a conflicting argument is an
+    error, as in Transformer Engine); default True."""
+    if set_grad_none is not None:
+        if set_to_none is not None and set_to_none != set_grad_none:
+            raise ValueError(f"Called zero_grad with set_to_none={set_to_none}, but {kind} was initialized "
+                             f"with set_grad_none={set_grad_none}")
+        set_to_none = set_grad_none
+    return True if set_to_none is None else set_to_none

@@ -2,7 +2,10 @@
 and the update of `torch.optim.SGD` (momentum buffer initialised to the first gradient, as both do).
 
 "Fused" means one `torch._fused_sgd_` call per parameter group, device and dtype (two when some parameters start
-their momentum buffer in this step), so the parameters take exactly the values `torch.optim.SGD(fused=True)` gives.
+their momentum buffer in this step). The update is computed in float32 and rounded once into the parameter and its
+momentum buffer (both in the parameter's dtype), as Transformer Engine's multi-tensor kernel does: float32 parameters
+take exactly the values `torch.optim.SGD(fused=True)` gives; bf16 / fp16 ones are stepped through float32 copies
+(torch's own CPU kernel at bf16 computes `lr * grad` in bf16 and leaves most small updates unapplied).
 Like Transformer Engine's FusedSGD it has no master weights, so it does not update FP8 parameters: a Float8Tensor
 parameter raises a TypeError (use `FusedAdam(master_weights=True)`), never a silent skip. Unlike Transformer Engine's,
 it updates bf16 parameters too.
@@ -10,7 +13,6 @@ it updates bf16 parameters too.
 
 from __future__ import annotations
 
-import warnings
 from collections import defaultdict
 from typing import Iterable, Optional
 
@@ -18,12 +20,12 @@ import torch
 from torch.optim.optimizer import required
 
 from ..quantized_tensor import QuantizedTensor
-from .common import check_number, describe, local_tensor
+from .common import KeepsOptions, check_number, deprecated_set_grad_none, describe, local_tensor, zero_grad_set_to_none
 
 __all__ = ["FusedSGD"]
 
 
-class FusedSGD(torch.optim.Optimizer):
+class FusedSGD(KeepsOptions, torch.optim.Optimizer):
     """SGD with momentum, dampening, weight decay (L2) and Nesterov momentum.
 
     FusedSGD(params, lr=required, momentum=0.0, dampening=0.0, weight_decay=0.0, nesterov=False, *,
@@ -32,6 +34,8 @@ class FusedSGD(torch.optim.Optimizer):
     `wd_after_momentum=True` (Transformer Engine's kernel option) raises NotImplementedError;
     `materialize_master_grads` only concerns apex's AMP master parameters and is accepted and unused.
     """
+
+    _OPTIONS = ("wd_after_momentum", "materialize_master_grads", "set_grad_none")
 
     def __init__(self, params: Iterable, lr=required, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, *, wd_after_momentum: bool = False,
@@ -43,19 +47,10 @@ class FusedSGD(torch.optim.Optimizer):
                                       "to the gradient before momentum, as torch.optim.SGD does")
         self.wd_after_momentum = False
         self.materialize_master_grads = materialize_master_grads
-        self.set_grad_none = set_grad_none
-        if set_grad_none is not None:
-            warnings.warn("set_grad_none kwarg in FusedSGD constructor is deprecated. Use set_to_none kwarg in "
-                          "zero_grad instead.", DeprecationWarning, stacklevel=2)
+        self.set_grad_none = deprecated_set_grad_none("FusedSGD", set_grad_none)
         defaults = {"lr": lr, "momentum": momentum, "dampening": dampening, "weight_decay": weight_decay,
                     "nesterov": nesterov}
         super().__init__(params, defaults)
-
-    def __getstate__(self) -> dict:  # torch's keeps only defaults, state and param_groups
-        state = super().__getstate__()
-        state.update({name: getattr(self, name) for name in ("wd_after_momentum", "materialize_master_grads",
-                                                             "set_grad_none")})
-        return state
 
     def add_param_group(self, param_group: dict) -> None:
         """torch's add_param_group, then the hyper-parameters and the parameters' kinds are checked."""
@@ -81,12 +76,7 @@ class FusedSGD(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: Optional[bool] = None) -> None:
         """Reset the gradients; set_to_none defaults to True."""
-        if self.set_grad_none is not None:
-            if set_to_none is not None and set_to_none != self.set_grad_none:
-                raise ValueError(f"Called zero_grad with set_to_none={set_to_none}, but FusedSGD was initialized "
-                                 f"with set_grad_none={self.set_grad_none}")
-            set_to_none = self.set_grad_none
-        super().zero_grad(set_to_none=True if set_to_none is None else set_to_none)
+        super().zero_grad(set_to_none=zero_grad_set_to_none("FusedSGD", self.set_grad_none, set_to_none))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -114,8 +104,17 @@ class FusedSGD(torch.optim.Optimizer):
                 grads.append(grad)
                 if momentum != 0:
                     bufs.append(local_tensor(state["momentum_buffer"]))
-            for (_, _, first), (params, grads, bufs) in launches.items():
-                torch._fused_sgd_(params, grads, bufs, weight_decay=float(group["weight_decay"]), momentum=momentum,
-                                  lr=float(group["lr"]), dampening=float(group["dampening"]),
+            for (_, dtype, first), (params, grads, bufs) in launches.items():
+                narrow = dtype in (torch.bfloat16, torch.float16)
+                if narrow:  # float32 copies, rounded once back into the parameters and the momentum buffers
+                    work, grads, work_bufs = ([t.float() for t in ts] for ts in (params, grads, bufs))
+                else:
+                    work, work_bufs = params, bufs
+                torch._fused_sgd_(work, grads, work_bufs, weight_decay=float(group["weight_decay"]),
+                                  momentum=momentum, lr=float(group["lr"]), dampening=float(group["dampening"]),
                                   nesterov=group["nesterov"], maximize=False, is_first_step=first)
+                if narrow:
+                    torch._foreach_copy_(params, work)
+                    if bufs:
+                        torch._foreach_copy_(bufs, work_bufs)
         return loss

@@ -17,10 +17,10 @@ from typing import Iterable, Optional, Union
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
-from .. import cast as casts  # a module reference: cast.py imports this package's storage
+from .. import cast as casts
 from .. import host
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, Quantizer, run_dequantized
+from ..quantized_tensor import QuantizedTensor, Quantizer, dispatch_through
 from .storage import Float8TensorStorage
 
 __all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "make_float8_tensor", "wrap"]
@@ -98,31 +98,38 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         return Float8Tensor(dtype=dtype, data=inner["_data"], fp8_scale_inv=inner["_scale_inv"],
                             data_transpose=inner.get("_transpose"))
 
-    # ---- FSDP2 all-gather extension (fully_shard gathers the FP8 bytes; see fp8kit/pytorch/fsdp.py) ----
+    # ---- FSDP2 all-gather extension (fully_shard gathers the FP8 bytes) ----
+    # What the hooks do lives in fp8kit/pytorch/fsdp.py, a layer above this module (it builds on the tensor and its
+    # quantizers); it fills _ALL_GATHER when imported, which `import fp8kit.pytorch` does.
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """FSDP2 hook before a parameter's all-gather: this shard's FP8 bytes and the metadata to rebuild it."""
-        from .. import fsdp
-
-        return fsdp.pre_all_gather(self, mesh, orig_size)
+        return _all_gather_hooks()[0](self, mesh, orig_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """FSDP2 hook after a parameter's all-gather: the gathered Float8Tensor (or `out` updated in place)."""
-        from .. import fsdp
-
-        return fsdp.post_all_gather(self, all_gather_outputs, metadata, param_dtype, out=out)
+        return _all_gather_hooks()[1](self, all_gather_outputs, metadata, param_dtype, out=out)
 
     # ---- operations ----
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        handler = _HANDLERS.get(func)
-        if handler is not None:
-            out = handler(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
-        return run_dequantized(func, args, kwargs)
+        return dispatch_through(_HANDLERS, func, args, kwargs)
+
+
+_ALL_GATHER: list = []  # [(pre_all_gather, post_all_gather)], from fp8kit.pytorch.fsdp
+
+
+def register_all_gather(pre_all_gather, post_all_gather) -> None:
+    """Set what Float8Tensor's FSDP2 hooks run (fp8kit.pytorch.fsdp calls this when imported)."""
+    _ALL_GATHER[:] = [(pre_all_gather, post_all_gather)]
+
+
+def _all_gather_hooks():
+    if not _ALL_GATHER:
+        raise RuntimeError("Float8Tensor's FSDP2 all-gather is defined in fp8kit.pytorch.fsdp, which is not imported: "
+                           "import fp8kit.pytorch")
+    return _ALL_GATHER[0]
 
 
 def make_float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
@@ -218,8 +225,8 @@ _HANDLERS = {
 
 
 # ---- FSDP2 (fully_shard) support: the operations FSDP2 applies to a parameter it shards and gathers -----------------
-# (issue 14; the all-gather extension itself, `fsdp_pre_all_gather` / `fsdp_post_all_gather`, lives in
-# fp8kit/pytorch/fsdp.py). Sharding takes `torch.chunk` (split, above), `new_zeros` for the padded shard, `narrow`
+# (the all-gather extension itself, `fsdp_pre_all_gather` / `fsdp_post_all_gather`, lives in fp8kit/pytorch/fsdp.py).
+# Sharding takes `torch.chunk` (split, above), `new_zeros` for the padded shard, `narrow`
 # (slice, above) + `copy_` into it, `view(-1)`; the gathered parameter is an `as_strided` view of the all-gather
 # output. All stay FP8: new tensors share the source's scale value (a copy) and quantizer.
 

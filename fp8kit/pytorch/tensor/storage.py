@@ -7,6 +7,7 @@ subclass for users. Field names follow Transformer Engine (`_data`, `_scale_inv`
 
 from __future__ import annotations
 
+import math
 from typing import List, Optional, Tuple
 
 import torch
@@ -71,6 +72,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._transpose = data_transpose
         self._quantizer = quantizer
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
+        # True when the cast that wrote `_data` knows it holds no NaN/inf code (a saturating cast of a NaN-free
+        # input, cast.cast_host), so the widening skips its check. Only that cast sets it, on storages it makes;
+        # tensors whose bytes are written in place later (Float8Tensor) are built without it.
+        self._codes_finite = False
+        self._transposed_of = None  # the storage this one is the transpose of (shares its `values`), or None
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
         self._scale_inv_value = scale_inv_value
 
@@ -118,7 +124,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
         tensor used by two GEMMs (grad_output in dgrad and wgrad) is converted once."""
         cached = self._values
         if cached is None or cached.dtype != dtype:
-            cached = self._values = widen(self._data, dtype)
+            source = self._transposed_of
+            if source is not None and source._data is not None:  # kept on the untransposed tensor, for its next use
+                cached = self._values = source.values(dtype).t()
+            else:
+                cached = self._values = widen(self._data, dtype, self._codes_finite)
         return cached
 
     def transposed(self) -> "Float8TensorStorage":
@@ -134,6 +144,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
                                       scale_inv_value=self._scale_inv_value)
         if self._values is not None:
             out._values = self._values.t()
+        elif self._transpose is None and self._data.device.type == "cpu":
+            out._transposed_of = self  # the CPU GEMM widens `self` (kept there for the weight's reuse), not the view
+        out._codes_finite = self._codes_finite
         return out
 
     def with_transpose(self) -> "Float8TensorStorage":
@@ -141,8 +154,22 @@ class Float8TensorStorage(QuantizedTensorStorage):
         read it; CPU tensors are returned as they are (the emulated GEMM reads any layout)."""
         if self._transpose is None and self._data.device.type != "cpu":
             n = self._data.shape[-1] if self._data.dim() else 1
-            self._transpose = self._data.reshape(-1, n).t().contiguous()
+            self._transpose = self._data.reshape(math.prod(self._data.shape[:-1]), n).t().contiguous()  # n may be 0
         return self
+
+    # ---- an FP8 operand saved for the backward GEMMs (fp8kit's Linear function) ----
+
+    def saved_form(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(bytes, scale tensor) to hand to `ctx.save_for_backward`: the transpose seen as a column-major view when
+        the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes; the scale
+        tensor may be None on the host path, where `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
+        return (self._transpose.t() if self._transpose is not None else self._data), self._scale_inv
+
+    @staticmethod
+    def from_saved(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
+                   scale_inv_value: Optional[float]) -> "Float8TensorStorage":
+        """An operand `saved_form` gave, back as a storage (its nominal dtype does not matter to the GEMMs)."""
+        return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
 
     # ---- autograd saving (Transformer Engine's protocol) ----
 
@@ -163,31 +190,31 @@ class Float8TensorStorage(QuantizedTensorStorage):
                 f"scale_inv={inv:.6g}, dtype={self._dtype})")
 
 
-# Large CPU tensors widen by bit manipulation: torch's FP8 conversion is a per-element loop, about ten times slower
-# than these four vectorised passes. The FP8 byte goes into the high half of an int16 and is shifted right
-# (arithmetically) so that its exponent and mantissa fields land on bf16's, the sign is kept by the mask, and a
-# multiplication by 2**(127 - bias) fixes the exponent bias (exact, FP8 subnormals included). NaN/inf codes would
-# come out as finite numbers, so tensors holding any take torch's conversion.
-_BY_BITS = {  # fp8 dtype: (right shift, int16 mask, multiplier, smallest |code| that is NaN or inf)
+# Large CPU tensors widen by bit manipulation: torch's FP8 conversion is a per-element loop, several times slower
+# than these four vectorised passes. The FP8 byte, read as an int8, is sign-extended into an int16 and shifted left
+# so that its exponent and mantissa fields land on bf16's; the mask keeps them and the sign bit (clearing the copies
+# of the sign the extension made), and a multiplication by 2**(127 - bias) fixes the exponent bias (exact, FP8
+# subnormals included). NaN/inf codes would come out as finite numbers, so tensors holding any take torch's
+# conversion.
+_BY_BITS = {  # fp8 dtype: (left shift, int16 mask, multiplier, smallest |code| that is NaN or inf)
     torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0 ** 120, 0x7F),
-    torch.float8_e5m2: (3, 0x8FE0 - 0x10000, 2.0 ** 112, 0x7C),
+    torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0 ** 112, 0x7C),
 }
 WIDEN_BY_BITS_MIN_NUMEL = 1 << 16
 _SUBNORMAL = torch.tensor(2.0 ** -140, dtype=torch.float32)
 
 
-def widen(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """`data.to(dtype)`, faster for large CPU tensors and bf16 or float32 results."""
+def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False) -> torch.Tensor:
+    """`data.to(dtype)`, faster for large CPU tensors and bf16 or float32 results. `codes_finite`: the caller knows
+    `data` holds no NaN or inf code (skips a check that reads the bytes twice)."""
     if data.device.type == "cpu" and data.numel() >= WIDEN_BY_BITS_MIN_NUMEL \
             and dtype in (torch.bfloat16, torch.float32):
         shift, mask, multiplier, special = _BY_BITS[data.dtype]
-        codes = data.view(torch.uint8)
         # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)
-        if int((codes & 0x7F).max()) < special and float(_SUBNORMAL * 1.0) != 0:
+        if (codes_finite or int((data.view(torch.uint8) & 0x7F).max()) < special) and float(_SUBNORMAL * 1.0) != 0:
             # float32 has bf16's exponent field: the same in an int32, 16 bits further up
             wide = dtype == torch.float32
-            bits = codes.to(torch.int32 if wide else torch.int16)
-            bits.bitwise_left_shift_(24 if wide else 8).bitwise_right_shift_(shift)
-            bits.bitwise_and_(mask * 0x10000 if wide else mask)
+            bits = data.view(torch.int8).to(torch.int32 if wide else torch.int16)
+            bits.bitwise_left_shift_(shift + 16 if wide else shift).bitwise_and_(mask * 0x10000 if wide else mask)
             return bits.view(dtype).mul_(multiplier)
     return data.to(dtype)

@@ -1,0 +1,204 @@
+"""The facts the CPU cast relies on, checked against tests/reference.py (NumPy + ml_dtypes), and what the CPU path
+then skips: the clamp where torch's conversion already saturates, the widening's NaN check where the cast knows
+there is no NaN. See docs/numerics.md, "The cast on a CPU"."""
+
+import collections
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8kit.pytorch as te
+from fp8kit.pytorch import host, quantize
+from fp8kit.pytorch.cast import FP8_MAX, UNCLAMPED_MAX, cast_host
+from fp8kit.pytorch.tensor import storage
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+
+import reference as ref
+
+FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _f32_range(lo: float, hi: float) -> np.ndarray:
+    """Every float32 in [lo, hi] (both positive)."""
+    a, b = np.array([lo, hi], dtype=np.float32).view(np.int32)
+    return np.arange(a, b + 1, dtype=np.int32).view(np.float32)
+
+
+def _torch_bytes(y: np.ndarray, fp8: torch.dtype, clamp: bool) -> np.ndarray:
+    t = torch.from_numpy(y)
+    if clamp:
+        t = t.clamp(-FP8_MAX[fp8], FP8_MAX[fp8])
+    return t.to(fp8).view(torch.uint8).numpy()
+
+
+def _assert_saturating_cast(y: np.ndarray, fmt: str, clamp: bool) -> None:
+    """torch's float32 -> FP8 conversion (after a clamp to +-max, or without one) gives the reference's saturating,
+    round-to-nearest-even bytes; NaN inputs give a NaN code (any)."""
+    got = _torch_bytes(y, FORMATS[fmt], clamp)
+    want, _ = ref.cast(y, fmt, 1.0)
+    nan = np.isnan(y)
+    np.testing.assert_array_equal(got[~nan], want[~nan])
+    assert np.isnan(got[nan].view(ref.FP8[fmt][0]).astype(np.float32)).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_clamp_then_torch_conversion_is_the_saturating_cast(fmt):
+    """Every bf16 and every fp16 bit pattern (as float32), and 1M float32 patterns drawn uniformly."""
+    every16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    for dtype in (torch.bfloat16, torch.float16):
+        _assert_saturating_cast(every16.view(dtype).float().numpy(), fmt, clamp=True)
+    bits = np.random.default_rng(0).integers(0, 2**32, size=1 << 20, dtype=np.uint64).astype(np.uint32)
+    _assert_saturating_cast(bits.view(np.float32), fmt, clamp=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_conversion_without_clamp_saturates_up_to_unclamped_max(fmt):
+    """Every float32 in [max, UNCLAMPED_MAX] (either sign) converts to +-max without the clamp; for E5M2 the next
+    float32 above does not (it becomes inf: the bound is tight). torch 2.13 saturates E4M3 above 464 too, older
+    versions give NaN from 480 on and from the rounding above 464, so 464 is the bound that holds for both."""
+    fp8 = FORMATS[fmt]
+    top = _f32_range(FP8_MAX[fp8], UNCLAMPED_MAX[fp8])
+    assert top[-1] == np.float32(UNCLAMPED_MAX[fp8]) and len(top) > 100_000
+    y = np.concatenate([top, -top])
+    _assert_saturating_cast(y, fmt, clamp=False)
+    if fmt == "e5m2":
+        above = np.nextafter(np.float32(UNCLAMPED_MAX[fp8]), np.float32(np.inf))
+        past = _torch_bytes(np.array([above, -above], dtype=np.float32), fp8, clamp=False)
+        assert np.isinf(past.view(ref.FP8[fmt][0]).astype(np.float32)).all()
+    # and below max, without the clamp: every bf16 / fp16 pattern of magnitude <= max
+    every16 = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    for dtype in (torch.bfloat16, torch.float16):
+        v = every16.view(dtype).float().numpy()
+        _assert_saturating_cast(v[~(np.abs(v) > FP8_MAX[fp8])], fmt, clamp=False)
+
+
+def _amax_with_product_above_max(fp8_max: float) -> np.float32:
+    """An amax whose current-scaling product `float32(amax * float32(fp8_max / amax))` exceeds fp8_max."""
+    a = np.random.default_rng(1).uniform(0.5, 8.0, 10_000).astype(np.float32)
+    above = a[a * (np.float32(fp8_max) / a) > fp8_max]  # float32 arithmetic throughout
+    assert above.size, "no such amax found"
+    assert np.float32(above[0] * ref.current_scale(above[0], fp8_max)) > fp8_max
+    return above[0]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_current_scaling_product_above_max_casts_without_clamp(fmt):
+    """Current scaling's `amax * scale` can round above max; the CPU cast then skips the clamp (no clamp op runs)
+    and its bytes still equal the reference's saturating cast."""
+    fp8 = FORMATS[fmt]
+    a = _amax_with_product_above_max(FP8_MAX[fp8])
+    x = np.random.default_rng(2).uniform(-1, 1, 4096).astype(np.float32) * a
+    x[:2] = a, -a
+    with _Ops() as seen:
+        q = quantize(torch.from_numpy(x), fp8)
+    assert seen.ops["clamp"] + seen.ops["clamp_"] == 0
+    want, want_inv = ref.cast(x, fmt, ref.current_scale(ref.amax(x), FP8_MAX[fp8]))
+    np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
+    assert np.float32(q.scale_inv.item()) == want_inv
+    assert want[0] & 0x7F == (0x7E if fmt == "e4m3" else 0x7B)  # the largest finite code
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("over", [1.0, 1.02, 1.5, 1e6, np.inf])
+def test_host_cast_with_known_amax_matches_reference(fmt, over):
+    """cast_host with the amax given: products from below max to far above it (clamped or not), inf inputs."""
+    fp8 = FORMATS[fmt]
+    x = np.random.default_rng(3).standard_normal(50_000).astype(np.float32)
+    x[0] = np.abs(x).max() * over
+    scale = float(np.float32(FP8_MAX[fp8] / np.abs(x[1:]).max()))
+    xt = torch.from_numpy(x)
+    a, nan_free = host.amax_nan(xt)
+    assert nan_free
+    q = cast_host(xt, scale, fp8, a, nan_free)
+    want, _ = ref.cast(x, fmt, scale)
+    np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_widening_skips_its_check_only_when_the_cast_saw_no_nan(fmt):
+    """A tensor holding NaN: the amax says so, the bytes keep NaN codes and the CPU GEMM's values decode them (via
+    torch's conversion); NaN-free: the flag is set and the values equal ml_dtypes' decoding."""
+    fp8 = FORMATS[fmt]
+    n = storage.WIDEN_BY_BITS_MIN_NUMEL
+    x = torch.randn(n) * 3
+    a, nan_free = host.amax_nan(x)
+    q = cast_host(x, 40.0, fp8, a, nan_free)
+    assert nan_free and q._codes_finite
+    dtype = {"e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt]
+    want = q._data.view(torch.uint8).numpy().view(dtype).astype(np.float32)
+    np.testing.assert_array_equal(q.values(torch.bfloat16).float().numpy(), want)
+    x[5] = float("nan")
+    a2, nan_free = host.amax_nan(x)
+    assert not nan_free and a2 == a
+    q = cast_host(x, 40.0, fp8, a2, nan_free)
+    assert not q._codes_finite
+    got = q.values(torch.bfloat16).float().numpy()
+    want = q._data.view(torch.uint8).numpy().view(dtype).astype(np.float32)
+    assert np.isnan(got[5]) and np.isnan(want[5])
+    np.testing.assert_array_equal(np.delete(got, 5), np.delete(want, 5))
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_linear_widens_each_operand_once(recipe, monkeypatch):
+    """One Linear forward + backward on CPU widens x, the weight and dy once each (x again in the backward, from
+    its saved FP8 bytes), all without the NaN check."""
+    calls = []
+    widen = storage.widen
+
+    def spy(data, dtype, codes_finite=False):
+        calls.append((tuple(data.shape), codes_finite))
+        return widen(data, dtype, codes_finite)
+
+    monkeypatch.setattr(storage, "widen", spy)
+    lin = te.Linear(512, 256, params_dtype=torch.bfloat16)
+    x = torch.randn(128, 512, dtype=torch.bfloat16, requires_grad=True)
+    with te.autocast(recipe=recipe):
+        y = lin(x)
+    y.float().pow(2).sum().backward()
+    assert sorted(calls) == sorted([((128, 512), True), ((256, 512), True), ((128, 256), True),
+                                    ((128, 512), True)])
+
+
+def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch):
+    """is_first_microbatch=True caches the FP8 weight; the later microbatches reuse its bytes and its widened
+    values (the weight is widened once for all of them), with the same outputs as casting it again."""
+    shapes = []
+    widen = storage.widen
+
+    def spy(data, dtype, codes_finite=False):
+        shapes.append(tuple(data.shape))
+        return widen(data, dtype, codes_finite)
+
+    torch.manual_seed(0)
+    lin = te.Linear(512, 256, params_dtype=torch.bfloat16)
+    xs = [torch.randn(128, 512, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    recipe = Float8CurrentScaling()
+    want = []
+    for x in xs:
+        with te.autocast(recipe=recipe):
+            y = lin(x)
+        y.float().pow(2).sum().backward()
+        want.append((y.detach(), x.grad))
+        x.grad = None
+    lin.weight.grad = None
+    monkeypatch.setattr(storage, "widen", spy)
+    for i, x in enumerate(xs):
+        with te.autocast(recipe=recipe):
+            y = lin(x, is_first_microbatch=i == 0)
+        y.float().pow(2).sum().backward()
+        assert torch.equal(y.detach(), want[i][0]) and torch.equal(x.grad, want[i][1])
+    assert shapes.count((256, 512)) == 1  # the weight, once
+    assert shapes.count((128, 512)) == 2 * len(xs)  # x in the forward and again in the backward, each time
