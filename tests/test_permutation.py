@@ -263,6 +263,23 @@ def test_sort_chunks_by_index(with_probs):
     torch.testing.assert_close(_grads(y, x_te, 16)[0], _grads(y_ref, x64, 16)[0], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("map_type", ["mask", "index"])
+def test_float8_input_moves_bytes_and_keeps_the_scale(map_type):
+    index, mask, g = _routing(7, 4, 2, seed=17)
+    x = torch.randn(7, 16, generator=g)
+    q = te.Float8Quantizer(torch.tensor([8.0]), torch.zeros(1), te.DType.kFloat8E4M3)(x).requires_grad_(True)
+    routing, num_out = (mask, int(mask.sum())) if map_type == "mask" else (index, 0)
+    y, _ = te.moe_permute(q, routing, num_out, map_type=map_type)
+    copies = ref_mask_copies(mask) if map_type == "mask" else ref_index_copies(index, 14)
+    assert isinstance(y, te.Float8Tensor) and torch.equal(y._scale_inv, q._scale_inv)
+    expected = ref_permute(q.dequantize(), copies, len(copies))
+    torch.testing.assert_close(y.dequantize(), expected, rtol=0, atol=0)
+    (y.dequantize() * 2).sum().backward()
+    assert not isinstance(q.grad, te.Float8Tensor)
+    copies_of = torch.tensor([sum(t == tok for tok, _ in copies) for t in range(7)], dtype=torch.float32)
+    torch.testing.assert_close(q.grad, 2 * copies_of.unsqueeze(1).expand(7, 16), rtol=0, atol=0)
+
+
 # ---- edges and errors ------------------------------------------------------------------------------------------------
 
 def test_empty_input_passes_through_and_probs_get_zero_gradients():
@@ -296,5 +313,8 @@ def test_bad_inputs_name_the_problem():
         te.moe_sort_chunks_by_index(x, torch.tensor([1, 2]), torch.tensor([1, 0]))
     with pytest.raises(ValueError, match="permutation"):
         te.moe_sort_chunks_by_index(x, torch.tensor([2, 2]), torch.tensor([1, 1]))
+    with pytest.raises(TypeError, match="moe_unpermute: FP8"):
+        q = te.Float8Quantizer(torch.ones(1), torch.zeros(1), te.DType.kFloat8E4M3)(torch.zeros(12, 2))
+        te.moe_unpermute(q, torch.zeros(4, 7, dtype=torch.int32), restore_shape=(4, 2))
     with pytest.raises(ValueError, match="align_size"):
         te.moe_permute_and_pad_with_probs(x, torch.zeros(4, 3), mask, mask.sum(0), 0)

@@ -14,7 +14,9 @@ Routing maps (as in Transformer Engine):
 Sums over the copies of a token (unpermute, and the backward of permute) and the merging-probability products are
 computed in float32 and rounded once to the tensor's dtype, as Transformer Engine's kernels do (float64 tensors:
 in float64).
-FP8 tensors (`QuantizedTensor`) are refused: dequantize them first (Transformer Engine moves their bytes).
+A per-tensor FP8 input (`Float8Tensor`) of the permutations gives a `Float8Tensor` with the same scale (its bytes are
+moved), as in Transformer Engine; its gradient is a high-precision tensor. `moe_unpermute` refuses FP8 input (as TE),
+and other quantized tensors are refused.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Optional, Tuple
 import torch
 
 from .quantized_tensor import QuantizedTensor
+from .tensor.float8_tensor import Float8Tensor, _like
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]
@@ -44,14 +47,18 @@ class _Permute(torch.autograd.Function):
     def forward(ctx, inp, probs, token, slot, row, num_rows, zero_if_no_prob):
         ctx.save_for_backward(token, slot, row)
         ctx.shape = (inp.shape[0], probs.shape if probs is not None else None)
-        out = inp.new_zeros((num_rows, inp.shape[1]))
-        out[row] = inp[token]
+        fp8 = isinstance(inp, Float8Tensor)  # per-tensor FP8: the bytes move, the scale stays (byte 0 is +0.0)
+        source = inp._data.view(torch.uint8) if fp8 else inp
+        out = source.new_zeros((num_rows, inp.shape[1]))
+        out[row] = source[token]
         permuted_probs = None
         if probs is not None:
             permuted_probs = probs.new_zeros((num_rows,))
             permuted_probs[row] = probs[token, slot]
             if zero_if_no_prob:  # a routed copy with probability 0 is routing-map padding: its row is zero
                 out[row[permuted_probs[row] == 0]] = 0
+        if fp8:
+            out = _like(inp, out.view(inp._data.dtype))
         return out, permuted_probs
 
     @staticmethod
@@ -114,9 +121,14 @@ class _Empty(torch.autograd.Function):
 
 # ---- routing maps ----------------------------------------------------------------------------------------------------
 
+def _check_fp8(name: str, inp) -> None:
+    if isinstance(inp, QuantizedTensor) and not isinstance(inp, Float8Tensor):
+        raise TypeError(f"{name}: of the quantized tensors only per-tensor FP8 (Float8Tensor) input is supported, "
+                        f"got {type(inp).__name__}; dequantize it first")
+
+
 def _check_inputs(name: str, inp: torch.Tensor, routing_map: torch.Tensor) -> None:
-    if isinstance(inp, QuantizedTensor):
-        raise TypeError(f"{name}: FP8 (QuantizedTensor) input is not supported; dequantize it first")
+    _check_fp8(name, inp)
     if not isinstance(inp, torch.Tensor) or inp.dim() != 2:
         raise ValueError(f"{name}: inp must be a 2-D tensor [num_tokens, hidden_size], got "
                          f"{getattr(inp, 'shape', type(inp).__name__)}")
@@ -296,8 +308,7 @@ def moe_unpermute(inp: torch.Tensor, row_id_map: torch.Tensor, merging_probs: Op
 
 
 def _sort_chunks(inp, probs, split_sizes, sorted_index):
-    if isinstance(inp, QuantizedTensor):
-        raise TypeError("moe_sort_chunks_by_index: FP8 (QuantizedTensor) input is not supported; dequantize it first")
+    _check_fp8("moe_sort_chunks_by_index", inp)
     sizes = torch.as_tensor(split_sizes).long().cpu()
     order = torch.as_tensor(sorted_index).long().cpu()
     if int(sizes.sum()) != inp.size(0):
