@@ -7,6 +7,8 @@ the fixed data of a Linear step, and the parsing of `--device` and positive inte
 from __future__ import annotations
 
 import argparse
+import os
+import platform
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -18,6 +20,30 @@ SHAPES = [(16, 64, 64), (1024, 512, 512), (4096, 1024, 1024)]
 BASELINE = "torch bf16"
 CURRENT = Float8CurrentScaling(fp8_format=Format.HYBRID)
 DELAYED = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+
+
+# CPU flags that say whether bf16 matrix products run natively (AVX-512 BF16 dot products, AMX tiles)
+_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+
+
+def device_description(dev: torch.device, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """What the reports print as the device: the GPU's name, or for a CPU the thread count, the model name and the
+    native-BF16 flags present (from `cpuinfo` where it exists, else `platform.processor()`), as `lscpu` shows
+    them."""
+    if dev.type == "cuda":
+        return torch.cuda.get_device_name(dev)
+    model, flags = platform.processor() or "unknown CPU", set()
+    if os.path.exists(cpuinfo):
+        with open(cpuinfo) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name":
+                    model = value.strip()
+                elif key.strip() == "flags":
+                    flags = set(value.split())
+                    break
+    native = [flag for flag in _BF16_FLAGS if flag in flags]
+    return f"{torch.get_num_threads()} threads, {model}, " + (" ".join(native) if native else "no native BF16 flags")
 
 
 class Timer:

@@ -37,7 +37,7 @@ import torch
 
 import fp8kit
 import fp8kit.pytorch as te
-from fp8kit.bench_common import CURRENT, DELAYED, Timer, _data, interleaved, run_settings
+from fp8kit.bench_common import CURRENT, DELAYED, Timer, _data, device_description, interleaved, run_settings
 
 __all__ = ["run_compile_bench", "format_compile_report", "GPT_CONFIG", "QUICK_GPT_CONFIG", "QUICK_SHAPES",
            "BACKENDS"]
@@ -259,7 +259,7 @@ def run_compile_bench(device: str = "cpu", quick: bool = False, rounds: Optional
         "fp8kit_version": fp8kit.__version__,
         "torch_version": torch.__version__,
         "device": dev.type,
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"{torch.get_num_threads()} threads",
+        "device_name": device_description(dev),
         "date": time.strftime("%Y-%m-%d"),
         "rounds": rounds,
         "quick": quick,

@@ -5,6 +5,7 @@ import json
 import statistics
 
 import pytest
+import torch
 
 from fp8kit import bench
 from fp8kit.cli import main
@@ -64,3 +65,16 @@ def test_cli_bench_writes_json(tmp_path, capsys):
     data = json.loads(path.read_text())
     assert {tuple(r["shape"]) for r in data["linear"]} == {(16, 32, 16)}
     assert data["quick"] is True and data["rounds"] == 1
+
+
+def test_cpu_description_names_the_model_and_the_native_bf16_flags(tmp_path):
+    from fp8kit.bench_common import device_description
+
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: Example CPU 9000\nflags\t\t: fpu avx512f avx512_bf16 amx_tile "
+                    "amx_bf16\n\nprocessor\t: 1\nmodel name\t: Example CPU 9000\nflags\t\t: fpu\n")
+    text = device_description(torch.device("cpu"), str(info))
+    assert text == f"{torch.get_num_threads()} threads, Example CPU 9000, avx512_bf16 amx_bf16 amx_tile"
+    info.write_text("model name\t: Plain CPU\nflags\t\t: fpu avx2\n")
+    assert device_description(torch.device("cpu"), str(info)).endswith("Plain CPU, no native BF16 flags")
+    assert "threads" in device_description(torch.device("cpu"), str(tmp_path / "missing"))

@@ -40,6 +40,7 @@ from .permutation import (
     moe_sort_chunks_by_index_with_probs,
     moe_unpermute,
 )
+from .quantization import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from .quantize_api import quantize
 from .quantized_tensor import (
     QuantizedTensor,
@@ -90,4 +91,6 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            # MoE token routing (permutation.py) and activation offload (cpu_offload.py)
            "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs",
-           "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer"]
+           "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer",
+           # what a CustomRecipe's quantizer factory receives and returns (quantization.py)
+           "QuantizerRole", "QuantizerRequest", "DelayedScalingRequest"]
