@@ -19,6 +19,7 @@ from jax.extend.core import get_opaque_trace_state
 
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from . import settings
+from .scaling_modes import block_kind
 from .sharding import MeshResource, current_mesh_resource, global_shard_guard
 
 __all__ = ["MeshResource", "autocast", "fp8_autocast", "deferred_update", "get_recipe", "is_fp8_enabled"]
@@ -114,7 +115,8 @@ def autocast(
     """Run the fp8kit Flax layers (and `fp8kit.jax.dense`) traced inside this context in FP8.
 
     enabled: False runs them in high precision (the default, as in Transformer Engine).
-    recipe: `DelayedScaling` or `Float8CurrentScaling`; None means `DelayedScaling()`.
+    recipe: `DelayedScaling`, `Float8CurrentScaling`, `MXFP8BlockScaling` or `Float8BlockScaling`; None means
+      `DelayedScaling()`.
     mesh_resource: which mesh axes are data/tensor/... parallel (amaxes are reduced over all but pipeline).
     Contexts nest; the innermost one decides. Settings are read at trace time.
     """
@@ -122,9 +124,10 @@ def autocast(
         raise ValueError(f"enabled: expected a bool, got {enabled!r}")
     if recipe is None:
         recipe = DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)) and block_kind(recipe) is None:
         raise ValueError(
-            f"recipe: expected fp8kit.recipe.DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}"
+            f"recipe: expected fp8kit.recipe.DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
+            f"Float8BlockScaling, got {type(recipe).__name__}"
         )
     if mesh_resource is None:
         mesh_resource = MeshResource()

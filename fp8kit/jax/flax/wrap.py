@@ -10,6 +10,7 @@ import flax.linen as nn
 from ...recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from .. import context
 from ..dense import dense
+from ..scaling_modes import block_kind
 from ..sharding import current_mesh_resource
 from ..state import FP8_COLLECTION
 from ..training import OVERWRITE_WITH_GRADIENT
@@ -36,8 +37,10 @@ class TransformerEngineBase(nn.Module):
 
 
 def _check_recipe(recipe: Optional[Recipe]) -> None:
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise ValueError(f"quantization_recipe: expected None, DelayedScaling or Float8CurrentScaling, got "
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)) \
+            and block_kind(recipe) is None:
+        raise ValueError(f"quantization_recipe: expected None, DelayedScaling, Float8CurrentScaling, "
+                         f"MXFP8BlockScaling or Float8BlockScaling, got "
                          f"{type(recipe).__name__}")
 
 
