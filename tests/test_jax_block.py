@@ -231,7 +231,8 @@ def test_dense_forward_backward_against_reference_quantized_float64(recipe, shap
               (dk, x_col.T @ g_col, np.abs(x_col).T @ np.abs(g_col))]
     for got, want, mag in checks:
         np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - want), 2.0 ** -20 * mag + 1e-30)
-    np.testing.assert_allclose(np.asarray(db), dy.sum(0), rtol=1e-6)
+    np.testing.assert_array_less(np.abs(np.asarray(db, np.float64) - dy.astype(np.float64).sum(0)),
+                                 2.0 ** -20 * np.abs(dy).sum(0))
     assert not np.allclose(np.asarray(y), x @ kernel + bias, rtol=1e-4)  # FP8 ran: not the float32 GEMM
 
 
@@ -259,7 +260,9 @@ def test_flax_layernorm_mlp_trains_under_block_recipes():
             g = jax.grad(loss)(params)
         for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_hp)):
             assert np.all(np.isfinite(np.asarray(a)))
-            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=0.1 * float(np.abs(b).max()) + 1e-6)
+            a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+            assert np.linalg.norm(a - b) <= 0.1 * np.linalg.norm(b)  # FP8 gradients near the float32 ones
+            assert not np.array_equal(a, b) or not np.any(b)
 
 
 def test_scaling_mode_names():
