@@ -2,8 +2,6 @@
 reference and against fp8kit.pytorch's quantizers, the block GEMM against float64 math, and the dense layer's
 forward and backward against float64 GEMMs of reference-quantized operands. Shapes stay small: few compiles."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -18,38 +16,8 @@ from fp8kit.jax.block_gemm import BlockSpec, block_gemm, block_operand
 from fp8kit.jax.scaling_modes import ScalingMode, block_kind, scaling_mode_of
 from fp8kit.pytorch import block_cast as tbc
 from fp8kit.pytorch.block_recipes import block_quantizers
-from fp8kit.recipe import Format, QParams, Recipe
+from fp8kit.recipe import Float8BlockScaling, Format, MXFP8BlockScaling, QParams
 from tests import reference as ref
-
-try:
-    from fp8kit.recipe import Float8BlockScaling, MXFP8BlockScaling
-except ImportError:  # the recipe classes are not there yet: stand-ins with their fields and predicates
-    @dataclasses.dataclass(frozen=True)
-    class MXFP8BlockScaling(Recipe):
-        margin: int = 0
-        fp8_format: Format = Format.E4M3
-        backward_override: object = None
-        enable_2d_quantization: bool = False
-
-        @classmethod
-        def mxfp8(cls):
-            return True
-
-    @dataclasses.dataclass(frozen=True)
-    class Float8BlockScaling(Recipe):
-        use_f32_scales: bool = False
-        fp8_format: Format = Format.E4M3
-        x_block_scaling_dim: int = 1
-        w_block_scaling_dim: int = 2
-        grad_block_scaling_dim: int = 1
-        backward_override: object = None
-        fp8_quant_fwd_inp: QParams = QParams(power_2_scale=True)
-        fp8_quant_fwd_weight: QParams = QParams(power_2_scale=True)
-        fp8_quant_bwd_grad: QParams = QParams(power_2_scale=True)
-
-        @classmethod
-        def float8_block_scaling(cls):
-            return True
 
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
 FMT = {jnp.dtype(E4M3): "e4m3", jnp.dtype(E5M2): "e5m2"}

@@ -37,11 +37,14 @@ class TransformerEngineBase(nn.Module):
 
 
 def _check_recipe(recipe: Optional[Recipe]) -> None:
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)) \
-            and block_kind(recipe) is None:
-        raise ValueError(f"quantization_recipe: expected None, DelayedScaling, Float8CurrentScaling, "
-                         f"MXFP8BlockScaling or Float8BlockScaling, got "
-                         f"{type(recipe).__name__}")
+    if recipe is None or isinstance(recipe, (DelayedScaling, Float8CurrentScaling)) or block_kind(recipe):
+        return
+    if isinstance(recipe, Recipe) and recipe._kind:
+        raise NotImplementedError(f"quantization_recipe: {type(recipe).__name__} is not implemented in fp8kit.jax "
+                                  "yet; use DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
+                                  "Float8BlockScaling")
+    raise ValueError(f"quantization_recipe: expected None, DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling "
+                     f"or Float8BlockScaling, got {type(recipe).__name__}")
 
 
 def wrap_function_in_te_state_module(f: Callable, quantization_recipe: Optional[Recipe], name: Optional[str] = None,
