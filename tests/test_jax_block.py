@@ -14,7 +14,6 @@ from fp8kit.jax import block_cast as jbc
 from fp8kit.jax.block_dense import _specs
 from fp8kit.jax.block_gemm import BlockSpec, block_gemm, block_operand
 from fp8kit.jax.scaling_modes import ScalingMode, block_kind, scaling_mode_of
-from fp8kit.pytorch import block_cast as tbc
 from fp8kit.pytorch.block_recipes import block_quantizers
 from fp8kit.recipe import Float8BlockScaling, Format, MXFP8BlockScaling, QParams
 from tests import reference as ref
@@ -164,7 +163,8 @@ def _ref_q(x: np.ndarray, recipe, role: int, along_rows: bool) -> np.ndarray:
     qp = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)[role]
     xx = x.T if (along_rows and dims[role] == 1) else x
     tile = (128, 128) if dims[role] == 2 else (1, 128)
-    q, inv = ref.float8_block_quantize(xx, name, tile, qp.power_2_scale, qp.amax_epsilon, float(np.finfo(np.float32).max))
+    f32_max = float(np.finfo(np.float32).max)
+    q, inv = ref.float8_block_quantize(xx, name, tile, qp.power_2_scale, qp.amax_epsilon, f32_max)
     s = np.repeat(np.repeat(inv.astype(np.float64), tile[0], 0), 128, 1)[: xx.shape[0], : xx.shape[1]]
     out = ref.fp8_values(q, name) * s
     return out.T if xx is not x else out
