@@ -243,3 +243,25 @@ def test_scaling_mode_names():
     assert ScalingMode.MXFP8_1D_SCALING.value == 2 and ScalingMode.MXFP8_1D_SCALING.is_1d_block_scaling()
     assert scaling_mode_of(Float8BlockScaling()).is_block_scaling
     assert scaling_mode_of(None) is ScalingMode.NO_SCALING
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(MXFP8BlockScaling(), id="mxfp8"),
+                                    pytest.param(Float8BlockScaling(), id="block")])
+def test_block_gemm_equals_pytorch_where_the_block_sums_are_exact_in_float32(recipe):
+    """Small-integer inputs: the FP8 values are integers times powers of two and every block's sum is exact in
+    float32, so the scale order and the accumulation across blocks decide the bits; they match PyTorch's."""
+    from fp8kit.pytorch.block_gemm import block_gemm as torch_block_gemm
+
+    rng = np.random.default_rng(4)
+    x = (rng.integers(-7, 8, (64, 256)) * np.exp2(rng.integers(-6, 6, (64, 1)))).astype(np.float32)
+    w = (rng.integers(-7, 8, (32, 256)) * np.exp2(rng.integers(-6, 6, (1, 256)))).astype(np.float32)
+    tq = block_quantizers(recipe)
+    spec = _specs(recipe, block_kind(recipe))
+    for q in tq:
+        q.quantizer.set_usage(rowwise=True, columnwise=False)
+    want = torch_block_gemm(tq[0].quantizer.quantize_impl(torch.from_numpy(x)),
+                            tq[1].quantizer.quantize_impl(torch.from_numpy(w))).numpy()
+    ops = _operand_jit(jnp.asarray(x), spec[0], False), _operand_jit(jnp.asarray(w), spec[1], False)
+    got = np.asarray(jax.jit(block_gemm, static_argnums=(2, 3))(*ops, spec[0], spec[1]))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    assert np.abs(want).max() > 0
