@@ -265,3 +265,23 @@ def test_block_gemm_equals_pytorch_where_the_block_sums_are_exact_in_float32(rec
     got = np.asarray(jax.jit(block_gemm, static_argnums=(2, 3))(*ops, spec[0], spec[1]))
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
     assert np.abs(want).max() > 0
+
+
+@pytest.mark.parametrize("override", ["high_precision", "dequantized"])
+def test_backward_override(override):
+    rng = np.random.default_rng(5)
+    x, kernel, dy = (rng.standard_normal(s).astype(np.float32) for s in ((32, 64), (64, 32), (32, 32)))
+    recipe = MXFP8BlockScaling(backward_override=override)
+
+    def f(x, kernel):
+        with te.autocast(enabled=True, recipe=recipe):
+            return te.dense(x, kernel)
+
+    _, vjp = jax.vjp(f, jnp.asarray(x), jnp.asarray(kernel))
+    dx, dk = (np.asarray(g, np.float64) for g in vjp(jnp.asarray(dy)))
+    if override == "high_precision":
+        xs, ks = x.astype(np.float64), kernel.astype(np.float64)
+    else:  # the forward's rowwise FP8 operands, dequantized
+        xs, ks = _ref_q(x, recipe, 0, False), _ref_q(kernel.T, recipe, 1, False).T
+    for got, want, mag in ((dx, dy @ ks.T, np.abs(dy) @ np.abs(ks).T), (dk, xs.T @ dy, np.abs(xs).T @ np.abs(dy))):
+        np.testing.assert_array_less(np.abs(got - want), 2.0 ** -20 * mag)
