@@ -25,6 +25,7 @@ from .dist_rules import (
     state_label,
 )
 from .recompute import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
+from .registry import reduce_group
 from .tensor.storage import Float8TensorStorage
 
 __all__ = ["DistributedRuleError", "RegistrationMismatchError", "apply_pending_updates", "label_states",
@@ -155,8 +156,6 @@ _SHARED_SCALES: Dict[Tuple[bool, object, object], bool] = {}
 def check_shared_scales(frame, tp: TensorParallel) -> None:
     """A quantized all-gather under delayed scaling needs every rank of the tensor-parallel group to hold the same
     scale, which amax reduction over a group that contains the tensor-parallel group guarantees."""
-    from .registry import reduce_group
-
     cache_key = (frame.recipe.reduce_amax, frame.group, tp.group)
     ok = _SHARED_SCALES.get(cache_key)
     if ok is None:

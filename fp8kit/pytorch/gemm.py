@@ -21,11 +21,12 @@ Nothing here reads a device value on the host.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from . import host
+from .class_table import ClassTable
 from .tensor.storage import Float8TensorStorage
 
 _ALIGN = 16  # cuBLASLt FP8: K and N multiples of 16
@@ -48,8 +49,7 @@ def check_cuda_shape(leading: int, in_features: int, out_features: int) -> list:
 
 GemmRule = Callable[[Any, Any, torch.dtype, Optional[torch.Tensor], bool], torch.Tensor]
 
-_RULES: Dict[type, GemmRule] = {}
-_RESOLVED: Dict[type, GemmRule] = {}  # storage type (subclasses included) -> rule, filled on first use
+_RULES: ClassTable[GemmRule] = ClassTable("GEMM rule")  # storage class -> rule
 
 
 def register_gemm_rule(storage_class: type, rule: GemmRule) -> None:
@@ -60,22 +60,12 @@ def register_gemm_rule(storage_class: type, rule: GemmRule) -> None:
         raise TypeError(f"register_gemm_rule: expected a storage class, got {storage_class!r}")
     if not callable(rule):
         raise TypeError(f"register_gemm_rule: rule must be callable, got {rule!r}")
-    _RULES[storage_class] = rule
-    _RESOLVED.clear()
+    _RULES.register(storage_class, rule)
 
 
 def gemm_rule(storage_type: type) -> GemmRule:
     """The rule of operands of `storage_type`: its own, else its nearest registered base class's."""
-    rule = _RESOLVED.get(storage_type)
-    if rule is None:
-        for cls in storage_type.__mro__:
-            if cls in _RULES:
-                rule = _RESOLVED[storage_type] = _RULES[cls]
-                break
-        else:
-            raise TypeError(f"fp8kit gemm: no GEMM rule for operands of type {storage_type.__name__} (known: "
-                            f"{', '.join(c.__name__ for c in _RULES)})")
-    return rule
+    return _RULES.lookup(storage_type)
 
 
 def gemm(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,

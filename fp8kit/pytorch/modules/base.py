@@ -39,6 +39,9 @@ class _CallCache(dict):
         return _CallCache, ()
 
 
+_NO_OVERRIDE = (False, False, False)
+
+
 class FP8Call:
     """What one forward call of an FP8 module decided.
 
@@ -56,7 +59,9 @@ class FP8Call:
     def __init__(self, module, frame: Frame, record: Optional[ForwardRecord], replay: bool, track_backward: bool,
                  states):
         self.module, self.frame, self.record, self.replay = module, frame, record, replay
-        self.fp8 = tuple(frame.enabled and not o for o in frame.recipe.override_linear_precision)
+        # recipes without the field (TE's block-scaling ones) run every GEMM in FP8
+        override = getattr(frame.recipe, "override_linear_precision", _NO_OVERRIDE)
+        self.fp8 = tuple(frame.enabled and not o for o in override)
         self.calibrate = not frame.enabled
         self.track_backward = track_backward
         self._states = states
