@@ -82,8 +82,11 @@ def test_capture_time_hooks_run_at_warm_up_and_capture_only(with_order):
     graphed = te.make_graphed_callables(tuple(modules), samples, num_warmup_iters=2, enabled=True, recipe=recipe,
                                         _order=[1, 2, -2, -1] if with_order else None, capture_time_hooks=hooks)
     assert records == HOOK_ORDER * 3  # two warm-up passes and the capture
-    for e, g in zip(eager, graphed):
-        _same_step(e, g, torch.randn(4, 16), recipe)
+    for e, g, m in zip(eager, graphed, modules):
+        y_e, dx_e = _step(e, torch.ones(4, 16), recipe)
+        y_g, dx_g = _step(g, torch.ones(4, 16), recipe)  # a module, or with _order its graphed forward
+        assert torch.equal(y_e, y_g) and torch.equal(dx_e, dx_g)
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(e.parameters(), m.parameters()))
     assert records == HOOK_ORDER * 3  # replays run no hook
     bad = [{"forward_hook": {}}, None]
     with pytest.raises(ValueError, match="unknown capture_time_hooks keys"):
@@ -112,13 +115,21 @@ def test_graphs_under_an_order_replay_eager_bits():
     recipe = DelayedScaling(amax_history_len=4)
     eager, modules = _twins(2)
     samples = tuple((torch.randn(8, 16, requires_grad=True),) for _ in range(4))  # 2 layers x 2 microbatches
-    graphed = te.make_graphed_callables(tuple(modules), samples, num_warmup_iters=1, enabled=True, recipe=recipe,
-                                        _order=[1, 2, 1, 2, -2, -1, -2, -1])
+    forwards = te.make_graphed_callables(tuple(modules), samples, num_warmup_iters=1, enabled=True, recipe=recipe,
+                                         _order=[1, 2, 1, 2, -2, -1, -2, -1])
+    # as in Transformer Engine: one graphed forward per (layer, microbatch) sample, chunk by chunk
+    assert len(forwards) == 4 and all(not isinstance(f, torch.nn.Module) for f in forwards)
     for i in range(2):
         x = torch.randn(8, 16) * 3 ** i
-        for e, g in zip(eager, graphed):
-            _same_step(e, g, x, recipe)
-        for e, g in zip(eager, graphed):
+        for s, forward in enumerate(forwards):
+            e = eager[s // 2]
+            y_e, dx_e = _step(e, x, recipe)
+            y_g, dx_g = _step(forward, x, recipe)
+            assert torch.equal(y_e, y_g) and torch.equal(dx_e, dx_g)
+            for p, q in zip(e.parameters(), modules[s // 2].parameters()):
+                assert torch.equal(p.grad, q.grad)
+                p.grad = q.grad = None
+        for e, g in zip(eager, modules):
             for a, b in ((e.fp8_meta["scaling_fwd"], g.fp8_meta["scaling_fwd"]),
                          (e.fp8_meta["scaling_bwd"], g.fp8_meta["scaling_bwd"])):
                 assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)

@@ -84,6 +84,8 @@ def make_graphed_callables(
     - `_order`, `_num_layers_per_chunk`: the pipeline-parallel schedule (see fp8kit/pytorch/graph_schedule.py):
       warm-up and capture run the layers' forwards and backwards in that order, with one `sample_args` entry per
       (layer, microbatch); each layer is compiled once (its microbatches share the graph) and replays in any order.
+      As in Transformer Engine the result is then one graphed forward function per `sample_args` entry (the modules'
+      own forwards stay).
     - `capture_time_hooks`: per module, `{"forward_pre_hooks" | "forward_hooks" | "backward_pre_hooks" |
       "backward_hooks": {id: hook(module)}}`, called around each warm-up and capture forward / backward, never at
       replay.
@@ -162,10 +164,15 @@ def make_graphed_callables(
     for module, replay, call_list, setting in zip(modules, replays, calls, settings):
         if cache:
             replay = _taking_first_microbatch(module, replay)
-        module.forward = _replaying_forward(module, replay, call_list or [], setting, module.training)
-        module.reset = lambda: None
-        module.backward_dw = _backward_dw(module)
-        out.append(module)
+        forward = _replaying_forward(module, replay, call_list or [], setting, module.training)
+        forward.reset = lambda: None
+        forward.backward_dw = _backward_dw(module)
+        if _order is None:
+            module.forward, module.reset, module.backward_dw = forward, forward.reset, forward.backward_dw
+        out.append(module if _order is None else forward)
+    if _order is not None:  # as Transformer Engine: one graphed forward per (layer, microbatch) sample, in order
+        layer_of = {sample: index for kind, index, sample in steps if kind == "fwd"}
+        return tuple(out[layer_of[s]] for s in range(len(sample_args)))
     return out[0] if single else tuple(out)
 
 
