@@ -3,7 +3,13 @@
 
 import torch
 
-from . import attention, distributed, fsdp, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+from . import (  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+    attention,
+    block_families,  # noqa: F401  (registers the block-scaled recipe families and their GEMM rule)
+    distributed,
+    fsdp,
+    optimizers,
+)
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
