@@ -105,8 +105,8 @@ def gather_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def all_gather_fp8(q: Float8TensorStorage, group) -> Float8TensorStorage:
     """All-gather a Float8Tensor along dim 0 as FP8 bytes (uint8 on the wire). Every rank must have cast with the
     same scale; the result carries this rank's `scale_inv`."""
-    data = gather_along_first_dim(q._data.contiguous().view(torch.uint8), group)
-    return Float8TensorStorage(data=data.view(q.fp8_dtype), fp8_scale_inv=q._scale_inv, fake_dtype=q.dtype,
+    data = gather_along_first_dim(q._data.contiguous(), group)
+    return Float8TensorStorage(data=data, fp8_scale_inv=q._scale_inv, fp8_dtype=q._fp8_dtype, fake_dtype=q.dtype,
                                scale_inv_value=q.scale_inv_value)
 
 

@@ -90,7 +90,7 @@ def per_tensor_gemm(
     `(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
     if a._data.device.type == "cpu":
         if torch.compiler.is_compiling():  # the same code, as one opaque operation (it reads alpha on the host)
-            return torch.ops.fp8kit.emulated_mm(a._data, a.scale_inv, b._data, b.scale_inv, bias, out_dtype)
+            return torch.ops.fp8kit.emulated_mm(a.fp8_view(), a.scale_inv, b.fp8_view(), b.scale_inv, bias, out_dtype)
         return emulated(a, b, out_dtype, bias)
     if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
         return widened_gemm(a, b, out_dtype, bias)
@@ -126,9 +126,10 @@ def _is_row_major(t: torch.Tensor) -> bool:
 def _col_major_source(b: Float8TensorStorage) -> torch.Tensor:
     """`b._data.t()` as a contiguous (row-major [N, K]) tensor: `b._transpose` as is, or `b._data` when it is a
     transposed view of one, else a copy."""
-    if b._transpose is not None:
-        return b._transpose
-    bt = b._data.t()
+    t = b.transpose_view()
+    if t is not None:
+        return t
+    bt = b.fp8_view().t()
     return bt if _is_row_major(bt) else bt.contiguous()
 
 
@@ -167,7 +168,8 @@ def scaled_mm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.d
     pad_k, pad_n = (-k) % _ALIGN, (-n) % _ALIGN
     if pad_k or pad_n:
         _warn_padding(m, k, n, pad_k, pad_n)
-    mat_a = a._data if _is_row_major(a._data) else a._data.contiguous()
+    mat_a = a.fp8_view()
+    mat_a = mat_a if _is_row_major(mat_a) else mat_a.contiguous()
     mat_a = _padded(mat_a, pad_k, 0)
     mat_b = _padded(_col_major_source(b), pad_k, pad_n).t()  # column-major [K', N'], as cuBLASLt FP8 wants
     mm_bias = bias

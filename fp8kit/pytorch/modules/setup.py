@@ -156,8 +156,8 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
         if cached is not None:
             call.reused_weight(gemm, cached)
     if isinstance(weight_param, Float8Tensor):  # an FP8 weight (quantized_model_init): its bytes, no cast
-        if weight_param._data.dtype != weight_q.fp8_dtype:
-            raise TypeError(f"{type(module).__name__}: the FP8 weight holds {weight_param._data.dtype} but the recipe "
+        if weight_param.fp8_dtype != weight_q.fp8_dtype:
+            raise TypeError(f"{type(module).__name__}: the FP8 weight holds {weight_param.fp8_dtype} but the recipe "
                             f"casts weights to {weight_q.fp8_dtype}; create the model under quantized_model_init with "
                             "a recipe of the same format")
         cached = weight_param.storage_view()

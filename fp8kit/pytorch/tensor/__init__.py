@@ -6,7 +6,8 @@ from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTenso
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
 from .storage import FP8_DTYPES, Float8TensorStorage
+from .utils import replace_raw_data
 
 __all__ = ["Float8Tensor", "Float8TensorStorage", "Float8Quantizer", "Float8CurrentScalingQuantizer", "FP8_DTYPES",
-           "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage", "Float8BlockQuantizer", "Float8BlockwiseQTensor",
-           "Float8BlockwiseQTensorStorage"]
+           "replace_raw_data", "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage", "Float8BlockQuantizer",
+           "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage"]
