@@ -27,7 +27,8 @@ from typing import Optional, Tuple
 import torch
 
 from .quantized_tensor import QuantizedTensor
-from .tensor.float8_tensor import Float8Tensor, _like
+from .tensor.float8_ops import _like
+from .tensor.float8_tensor import Float8Tensor
 
 __all__ = ["moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
            "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs"]

@@ -2,6 +2,7 @@
 what the GEMMs pass around), and Transformer Engine's per-tensor quantizers. `fp8kit.pytorch.tensor.float8_tensor` is
 `transformer_engine.pytorch.tensor.float8_tensor`."""
 
+from . import float8_ops  # noqa: F401 (fills Float8Tensor's dispatch table)
 from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage
 from .float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
