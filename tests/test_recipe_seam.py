@@ -14,7 +14,6 @@ import fp8kit.pytorch as te
 from fp8kit.pytorch import gemm as gemm_module
 from fp8kit.pytorch import recipe_families
 from fp8kit.pytorch.cast import cast
-from fp8kit.pytorch.class_table import ClassTable
 from fp8kit.pytorch.tensor.storage import Float8TensorStorage
 from fp8kit.recipe import Format, Recipe
 
@@ -62,11 +61,9 @@ class UnitQuantizer:
 @pytest.fixture
 def unit_family(monkeypatch):
     """Register the toy family and its GEMM rule for one test; returns the log of the GEMM rule's operands."""
-    for module, name in ((recipe_families, "_FAMILIES"), (gemm_module, "_RULES")):
-        table = ClassTable(getattr(module, name).what)
-        for cls in getattr(module, name).classes():
-            table.register(cls, getattr(module, name).lookup(cls))
-        monkeypatch.setattr(module, name, table)
+    for table in (recipe_families.FAMILIES, gemm_module._RULES):  # registrations undone after the test
+        monkeypatch.setattr(table, "_own", dict(table._own))
+        table.clear()
     made, multiplied = [], []
 
     def quantizers(call, gemm):
@@ -80,7 +77,9 @@ def unit_family(monkeypatch):
 
     recipe_families.register_recipe_family(UnitScaling, quantizers)
     gemm_module.register_gemm_rule(UnitStorage, rule)
-    return made, multiplied
+    yield made, multiplied
+    for table in (recipe_families.FAMILIES, gemm_module._RULES):
+        table.clear()  # forget the lookups resolved while the toy family was registered
 
 
 def _q(t: torch.Tensor, fmt: str) -> np.ndarray:

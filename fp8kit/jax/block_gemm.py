@@ -6,8 +6,11 @@ high-precision x as Transformer Engine does; 2-D blocks (32x32 or 128x128) are c
 
 `block_gemm(A, B)` computes `A @ B^T` for operands A (M, K) and B (N, K):
 1. per K block j (32 for MXFP8, 128 for Float8 block; a shorter last block is zero-padded), the partial product
-   `P_j` of the unscaled FP8 values, accumulated in float32 by XLA's dot (the PyTorch emulation rounds the exact
-   block sum once instead: see docs/jax.md, the results can differ in the last bits);
+   `P_j` of the unscaled FP8 values. E4M3 x E4M3 (every GEMM of the E4M3 recipes): the exact block sum rounded
+   once to float32, as the PyTorch emulation computes it, from integer dots (an E4M3 value is an integer times
+   2^-9, below 2^18 in magnitude; split in two 9-bit limbs, each limb dot is exact in int32, and the limbs are
+   recombined into `q * 2^20 + r` whose float32 sum `float32(q) * 2^20 + r` rounds once). With an E5M2 operand
+   (HYBRID's backward GEMMs): XLA's float32 dot, which can differ from the exact sum in the last bits;
 2. in increasing j, `y = y + (P_j * s1) * s2` in float32, s1 the scale_inv of the 1-D operand (A's when both are
    1-D) and s2 the other's, as the PyTorch emulation's order; with power-of-two scales (MXFP8 always, Float8 block
    by default) this is its fused multiply-add exactly;
@@ -89,14 +92,44 @@ def _blocked(values: jax.Array, block: int) -> jax.Array:
     return v.reshape(rows, nb, block).transpose(1, 0, 2)
 
 
+_BATCHED = (((2,), (2,)), ((0,), (0,)))  # (nb, M, block) . (nb, N, block) -> (nb, M, N)
+
+
+def _int_dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    return lax.dot_general(a, b, _BATCHED, preferred_element_type=jnp.int32)
+
+
+def _exact_e4m3_partials(av: jax.Array, bv: jax.Array) -> jax.Array:
+    """float32 block sums of E4M3 x E4M3 products (float32 values (nb, M, block), (nb, N, block)), each the exact
+    sum rounded once (block <= 128)."""
+    ai, bi = (jnp.round(v * F32(512.0)).astype(jnp.int32) for v in (av, bv))  # exact: |v| * 2^9 < 2^18
+    ah, al = ai >> 9, ai & 511  # ai = ah * 2^9 + al, 0 <= al < 2^9
+    bh, bl = bi >> 9, bi & 511
+    hh, ll = _int_dot(ah, bh), _int_dot(al, bl)  # |hh| < 2^25, 0 <= ll < 2^25
+    mid = _int_dot(ah, bl) + _int_dot(al, bh)  # |mid| < 2^26
+    # T = hh * 2^18 + mid * 2^9 + ll = q * 2^20 + r, 0 <= r < 2^20, |q| < 2^23 (|T| < 2^43)
+    low = ll + ((mid & 0x7FF) << 9) + ((hh & 3) << 18)  # < 2^26
+    q = (hh >> 2) + (mid >> 11) + (low >> 20)
+    r = low & 0xFFFFF
+    total = q.astype(F32) * F32(2.0 ** 20) + r.astype(F32)  # one rounding: both terms are exact
+    return total * F32(2.0 ** -18)  # the values were scaled by 2^9 each; |total| >= 1 unless 0, so no underflow
+
+
+def _partials(a: BlockOperand, b: BlockOperand, block: int) -> jax.Array:
+    av, bv = _blocked(a.values, block), _blocked(b.values, block)
+    e4m3 = jnp.dtype(jnp.float8_e4m3fn)
+    if a.values.dtype == e4m3 and b.values.dtype == e4m3:
+        return _exact_e4m3_partials(av, bv)
+    return lax.dot_general(av, bv, _BATCHED, preferred_element_type=F32)
+
+
 def block_gemm(a: BlockOperand, b: BlockOperand, spec_a: BlockSpec, spec_b: BlockSpec) -> jax.Array:
     """float32 `A @ B^T` (M, N) for block-scaled operands A (M, K) and B (N, K) (see the module docstring)."""
     if spec_a.block != spec_b.block:
         raise TypeError(f"block_gemm: operands of different block formats ({spec_a.block} and {spec_b.block})")
     if a.values.shape[1] != b.values.shape[1]:
         raise ValueError(f"block_gemm: contraction dims differ: A {a.values.shape}, B {b.values.shape} (A @ B^T)")
-    av, bv = _blocked(a.values, spec_a.block), _blocked(b.values, spec_b.block)
-    partials = lax.dot_general(av, bv, (((2,), (2,)), ((0,), (0,))), preferred_element_type=F32)  # (nb, M, N)
+    partials = _partials(a, b, spec_a.block)  # (nb, M, N)
     b_first = spec_a.two_d and not spec_b.two_d
     sa, sb = a.scale_inv.T[:, :, None], b.scale_inv.T[:, None, :]  # (nb, M, 1), (nb, 1, N)
     if spec_a.two_d and spec_b.two_d:

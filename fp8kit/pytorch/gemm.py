@@ -49,7 +49,7 @@ def check_cuda_shape(leading: int, in_features: int, out_features: int) -> list:
 
 GemmRule = Callable[[Any, Any, torch.dtype, Optional[torch.Tensor], bool], torch.Tensor]
 
-_RULES: ClassTable[GemmRule] = ClassTable("GEMM rule")  # storage class -> rule
+_RULES = ClassTable("GEMM rule")  # storage class -> GemmRule
 
 
 def register_gemm_rule(storage_class: type, rule: GemmRule) -> None:
@@ -72,8 +72,8 @@ def gemm(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
          use_fast_accum: bool = False) -> torch.Tensor:
     """`a @ b` (+ bias) in `out_dtype` for quantized operands a `[M, K]`, b `[K, N]`, by the GEMM rule of their
     storage type (`register_gemm_rule`; per-tensor FP8 `Float8TensorStorage`: `per_tensor_gemm`)."""
-    rule = gemm_rule(type(a))
-    if type(b) is not type(a) and gemm_rule(type(b)) is not rule:
+    rule = _RULES[type(a)]  # one dict access (class_table.py)
+    if type(b) is not type(a) and _RULES[type(b)] is not rule:
         raise TypeError(f"fp8kit gemm: operands of types {type(a).__name__} and {type(b).__name__} have different "
                         "GEMM rules (one recipe's operands per GEMM)")
     return rule(a, b, out_dtype, bias, use_fast_accum)

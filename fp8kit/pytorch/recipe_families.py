@@ -23,7 +23,7 @@ from .cast import fp8_dtype_of
 from .class_table import ClassTable
 from .quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
 
-__all__ = ["RecipeFamily", "register_recipe_family", "recipe_family", "registered_recipes"]
+__all__ = ["RecipeFamily", "register_recipe_family", "recipe_family", "registered_recipes", "FAMILIES"]
 
 QuantizerFactory = Callable[[object, int], Tuple[object, object, object]]
 PlanOptions = Callable[[object, Recipe, object, object], None]
@@ -37,7 +37,7 @@ class RecipeFamily:
     configure_plan: PlanOptions
 
 
-_FAMILIES: ClassTable[RecipeFamily] = ClassTable("recipe family")  # recipe class -> family
+FAMILIES = ClassTable("recipe family")  # recipe class -> RecipeFamily; `FAMILIES[type(recipe)]` on hot paths
 
 
 def _no_plan_options(plan, recipe, module, call) -> None:
@@ -53,17 +53,17 @@ def register_recipe_family(recipe_class: type, quantizers: QuantizerFactory,
     for name, fn in (("quantizers", quantizers), ("configure_plan", configure_plan)):
         if not callable(fn):
             raise TypeError(f"register_recipe_family: {name} must be callable, got {fn!r}")
-    _FAMILIES.register(recipe_class, RecipeFamily(quantizers, configure_plan))
+    FAMILIES.register(recipe_class, RecipeFamily(quantizers, configure_plan))
 
 
 def recipe_family(recipe_type: type) -> RecipeFamily:
     """The family of `recipe_type`: its own, else its nearest registered base class's; TypeError if none."""
-    return _FAMILIES.lookup(recipe_type)
+    return FAMILIES.lookup(recipe_type)
 
 
 def registered_recipes() -> Tuple[type, ...]:
     """The recipe classes with a family, in registration order."""
-    return _FAMILIES.classes()
+    return FAMILIES.classes()
 
 
 # ---- the per-tensor families: delayed and current scaling ----------------------------------------------------------

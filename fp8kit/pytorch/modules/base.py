@@ -15,7 +15,7 @@ from ..autocast import Frame, current_frame, has_pending_backward, register
 from ..compiled import compiling, note_compiled_call
 from ..dist_rules import label_states
 from ..fp8_weights import parameter_attributes, renew_weight_quantizers, restore_parameter_attributes
-from ..recipe_families import recipe_family
+from ..recipe_families import FAMILIES
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
 from ..state_entry import FIELDS as _FIELDS
@@ -76,7 +76,7 @@ class FP8Call:
         hold no per-call state: they are made once per (recipe, GEMM, states, reduction groups) and kept by the
         module for its eager calls (a steady-state call makes none)."""
         recipe = self.frame.recipe
-        family = recipe_family(type(recipe))
+        family = FAMILIES[type(recipe)]  # one dict access
         module = self.module
         if self.replay or compiling() or type(recipe) not in _KEPT_QUANTIZERS \
                 or getattr(module, "fp8_stats", None) is not None:

@@ -11,7 +11,7 @@ import torch
 
 from ..compiled import compiling
 from ..distributed import TensorParallel, tensor_parallel
-from ..recipe_families import recipe_family
+from ..recipe_families import FAMILIES
 from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.storage import Float8TensorStorage
 from .base import FP8Call
@@ -162,7 +162,7 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
                             "a recipe of the same format")
         cached = weight_param.storage_view()
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
-    recipe_family(type(recipe)).configure_plan(plan, recipe, module, call)
+    FAMILIES[type(recipe)].configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input
     return _weight_grad_options(plan, module, is_first_microbatch, weight_param, module.wgrad_store)
 

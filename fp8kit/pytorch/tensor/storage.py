@@ -99,7 +99,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
         """A storage of FP8-typed `data` (kept as its uint8 bytes) and float32 `[1]` `scale_inv` made by fp8kit's own
         casts (no checks)."""
         self = cls.__new__(cls)
-        self._assign(data.view(torch.uint8), _TE_DTYPE[data.dtype], scale_inv, fake_dtype, None, None, None)
+        raw, fmt = data.view(torch.uint8), _TE_DTYPE[data.dtype]
+        self._assign(raw, fmt, scale_inv, fake_dtype, None, None, None)
+        self._fp8_view_memo = (raw, fmt, data)  # the cast's FP8-typed tensor is the view (no second view op)
         return self
 
     # ---- reading ----
