@@ -165,3 +165,14 @@ def test_block_scale_order_of_operations(amax):
     others = [(v).astype(ref.ml_dtypes.float8_e4m3fn).view(np.uint8)
               for v in (b * (s / np.float32(6)), (b / np.float32(6)) * s)]
     assert any((o != want[:, 1]).any() for o in others)
+
+
+def test_views_detach_clone_keep_fields():
+    x = torch.randn(4, 32, 64)
+    q = NVFP4Quantizer()(x)
+    v = q.view(128, 64)
+    assert isinstance(v, NVFP4Tensor) and v.shape == (128, 64) and v._rowwise_data.shape == (128, 32)
+    assert torch.equal(v.dequantize(), q.dequantize().reshape(128, 64))
+    for t in (q.detach(), q.clone()):
+        assert isinstance(t, NVFP4Tensor) and torch.equal(t._amax_columnwise, q._amax_columnwise)
+        assert torch.equal(t.dequantize(), q.dequantize())

@@ -3,7 +3,8 @@
 
 import torch
 
-from . import attention, distributed, fsdp, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+from . import attention, distributed, fsdp, nvfp4_recipe, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks;
+# nvfp4_recipe: registers the NVFP4 recipe family and GEMM rule
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -53,6 +54,9 @@ from .tensor import (
     MXFP8Quantizer,
     MXFP8Tensor,
     MXFP8TensorStorage,
+    NVFP4Quantizer,
+    NVFP4Tensor,
+    NVFP4TensorStorage,
 )
 from .tensor.block_storage import rebuild_pickled_block_tensor
 from .tensor.float8_tensor import make_float8_tensor
@@ -69,6 +73,7 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
            "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
+           "NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage",
            "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",
            "fp8_model_init",

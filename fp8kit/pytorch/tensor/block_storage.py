@@ -73,6 +73,11 @@ class BlockScaledStorage(QuantizedTensorStorage):
         raise NotImplementedError
 
     @staticmethod
+    def _rowwise_shape_of(shape) -> tuple:
+        """The rowwise data's shape for a tensor of `shape` (the shape itself unless values are packed)."""
+        return tuple(shape)
+
+    @staticmethod
     def _columnwise_shape_of(shape) -> tuple:
         """The columnwise data's shape for a tensor of `shape`."""
         raise NotImplementedError
@@ -227,7 +232,7 @@ def _view(t, size):
         return NotImplemented
     fields = t._fields()
     if fields["rowwise_data"] is not None:
-        fields["rowwise_data"] = fields["rowwise_data"].view(shape)
+        fields["rowwise_data"] = fields["rowwise_data"].view(t._rowwise_shape_of(shape))
     if fields["columnwise_data"] is not None:
         fields["columnwise_data"] = fields["columnwise_data"].view(t._columnwise_shape_of(shape))
     return t._rebuild(fields)

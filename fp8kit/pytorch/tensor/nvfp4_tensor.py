@@ -94,6 +94,11 @@ class NVFP4TensorStorage(BlockScaledStorage):
         raise TypeError("NVFP4 data is E2M1 (fp4_dtype), not an FP8 format")
 
     @staticmethod
+    def _rowwise_shape_of(shape) -> tuple:
+        shape = tuple(shape)
+        return shape[:-1] + (shape[-1] // 2,)
+
+    @staticmethod
     def _columnwise_shape_of(shape) -> tuple:
         m, k = _flat2d(shape)
         return (k, m // 2)
@@ -185,7 +190,9 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
         return cls(shape, dtype=dtype, quantizer=quantizer, **fields)
 
     def _rebuild(self, fields):
-        return self._make(fields, None, self.dtype, False, self._quantizer, shape=tuple(self.shape))
+        """The same tensor with new fields (a view's: the shape follows the rowwise data when there is some)."""
+        shape = None if fields.get("rowwise_data") is not None else tuple(self.shape)
+        return self._make(fields, None, self.dtype, False, self._quantizer, shape=shape)
 
     def _logical_shape(self) -> torch.Size:
         return torch.Tensor.shape.__get__(self)
