@@ -19,7 +19,7 @@ from .block_recipes import RoleQuantizer
 from .gemm import register_gemm_rule
 from .nvfp4_gemm import nvfp4_gemm_rule
 from .recipe_families import register_recipe_family
-from .tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4TensorStorage
+from .tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4TensorStorage, TransposedNVFP4Operand
 
 __all__ = ["nvfp4_role_quantizers"]
 
@@ -50,6 +50,7 @@ def _plan(plan, recipe, module, call) -> None:
 
 
 register_gemm_rule(NVFP4TensorStorage, nvfp4_gemm_rule)
+register_gemm_rule(TransposedNVFP4Operand, nvfp4_gemm_rule)
 _RECIPE = getattr(recipe_module, "NVFP4BlockScaling", None)  # the recipe class, where fp8kit.recipe defines it
 if _RECIPE is not None:
     register_recipe_family(_RECIPE, _quantizers, _plan)

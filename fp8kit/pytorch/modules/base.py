@@ -42,7 +42,9 @@ class FP8Call:
     def __init__(self, module, frame: Frame, record: Optional[ForwardRecord], replay: bool, track_backward: bool,
                  states):
         self.module, self.frame, self.record, self.replay = module, frame, record, replay
-        self.fp8 = tuple(frame.enabled and not o for o in frame.recipe.override_linear_precision)
+        # recipes without override_linear_precision (the block-scaled ones) quantize all three GEMMs
+        override = getattr(frame.recipe, "override_linear_precision", (False, False, False))
+        self.fp8 = tuple(frame.enabled and not o for o in override)
         self.calibrate = not frame.enabled
         self.track_backward = track_backward
         self._states = states

@@ -22,10 +22,10 @@ from ..block_cast import round_up
 from ..constants import DType
 from ..hadamard import rht
 from ..quantized_tensor import QuantizedTensor
-from .block_storage import FIELDS, BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin
+from .block_storage import FIELDS, BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin, TransposedBlockOperand
 from .float8_tensor import _check as high_precision_input
 
-__all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage", "nvfp4_scale_shape"]
+__all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage", "TransposedNVFP4Operand", "nvfp4_scale_shape"]
 
 NVFP4_FIELDS = FIELDS + ("_amax_rowwise", "_amax_columnwise")
 
@@ -153,6 +153,10 @@ class NVFP4TensorStorage(BlockScaledStorage):
             out = out.t()
         return out.reshape(self._logical_shape()).to(dtype)
 
+    def transposed(self) -> "TransposedNVFP4Operand":
+        """This tensor (flattened to 2-D) as the transpose in a GEMM: the GEMM reads the columnwise layout."""
+        return TransposedNVFP4Operand(self)
+
     def as_tensor(self) -> "NVFP4Tensor":
         if isinstance(self, NVFP4Tensor):
             return self
@@ -162,6 +166,12 @@ class NVFP4TensorStorage(BlockScaledStorage):
     def __repr__(self) -> str:
         return (f"NVFP4TensorStorage(shape={tuple(self._logical_shape())}, usages={self.get_usages()}, "
                 f"dtype={self._dtype})")
+
+
+class TransposedNVFP4Operand(TransposedBlockOperand):
+    """The transpose of an NVFP4 tensor as a GEMM operand (its own type, so that the GEMM rules tell it apart)."""
+
+    __slots__ = ()
 
 
 class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
