@@ -68,3 +68,14 @@ def test_dims_refused():
         nvfp4_gemm(qa, qc)
     with pytest.raises(TypeError, match="expected an NVFP4 tensor"):
         nvfp4_gemm(qa, torch.randn(32, 48))
+
+
+def test_no_host_reads_on_meta():
+    """Quantizer (RHT, 2D, stochastic rounding), dequantize and GEMM on the `meta` device, where any read of a value on
+    the host raises: nothing in them synchronises a GPU."""
+    x = torch.randn(64, 96, device="meta", dtype=torch.bfloat16)
+    for kw in (dict(with_rht=True, stochastic_rounding=True), dict(with_2d_quantization=True)):
+        t = NVFP4Quantizer(**kw)(x)
+        assert t._rowwise_data.device.type == "meta" and t.dequantize().shape == (64, 96)
+        y = nvfp4_gemm(t, t, transpose_a=True, transpose_b=True, bias=torch.zeros(96, device="meta"))
+        assert y.shape == (96, 96) and y.device.type == "meta"
