@@ -3,8 +3,8 @@
 
 import torch
 
-from . import attention, distributed, fsdp, nvfp4_recipe, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks;
-# nvfp4_recipe: registers the NVFP4 recipe family and GEMM rule
+# fsdp: Float8Tensor's FSDP2 all-gather hooks; nvfp4_recipe: registers the NVFP4 recipe family and GEMM rule
+from . import attention, distributed, fsdp, nvfp4_recipe, optimizers
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -68,7 +68,7 @@ torch.serialization.add_safe_globals([make_float8_tensor, rebuild_pickled_block_
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
-           "Float8Tensor", "convert_model", "distributed", "fsdp", "optimizers",
+           "Float8Tensor", "convert_model", "distributed", "fsdp", "nvfp4_recipe", "optimizers",
            "checkpoint", "CudaRNGStatesTracker", "make_graphed_callables", "apply_pending_updates", "DType",
            "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",

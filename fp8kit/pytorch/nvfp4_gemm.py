@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .block_gemm import gemm_epilogue
 from .nvfp4_cast import NVFP4_BLOCK
 from .tensor.block_storage import TransposedBlockOperand
 from .tensor.nvfp4_tensor import NVFP4TensorStorage
@@ -59,17 +60,7 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
         for j in range(first, last):
             y = y + (sa[:, j, None] * sb[None, :, j]) * partial[j - first]
     alpha = (amax_a * amax_b) / _ALPHA_DIVISOR
-    y = alpha * y
-    if bias is not None:
-        y = y + bias.float()
-    result = y.to(out_dtype)
-    if accumulate:
-        if out is None:
-            raise ValueError("nvfp4_gemm: accumulate=True needs out")
-        return out.copy_(out + result.to(out.dtype))
-    if out is not None:
-        return out.copy_(result)
-    return result
+    return gemm_epilogue(alpha * y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
 
 
 def _unwrap(t):

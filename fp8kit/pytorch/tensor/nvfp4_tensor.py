@@ -23,17 +23,11 @@ from ..constants import DType
 from ..hadamard import rht
 from ..quantized_tensor import QuantizedTensor
 from .block_storage import FIELDS, BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin, TransposedBlockOperand
-from .float8_tensor import _check as high_precision_input
+from .mxfp8_tensor import _flat2d, _zero_padded  # the flattened (M, K) and zero-padded scales, as MXFP8's
 
 __all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage", "TransposedNVFP4Operand", "nvfp4_scale_shape"]
 
 NVFP4_FIELDS = FIELDS + ("_amax_rowwise", "_amax_columnwise")
-
-
-def _flat2d(shape) -> Tuple[int, int]:
-    shape = tuple(shape)
-    k = shape[-1] if shape else 1
-    return math.prod(shape[:-1]), k
 
 
 def nvfp4_scale_shape(shape: Iterable[int], columnwise: bool) -> Tuple[int, int]:
@@ -42,12 +36,6 @@ def nvfp4_scale_shape(shape: Iterable[int], columnwise: bool) -> Tuple[int, int]
     if columnwise:
         return round_up(k, 128), round_up(math.ceil(m / nc.NVFP4_BLOCK), 4)
     return round_up(m, 128), round_up(math.ceil(k / nc.NVFP4_BLOCK), 4)
-
-
-def _zero_padded(scales: torch.Tensor, shape: Tuple[int, int]) -> torch.Tensor:
-    out = torch.zeros(shape, dtype=torch.uint8, device=scales.device)
-    out[: scales.shape[0], : scales.shape[1]] = scales
-    return out
 
 
 class NVFP4TensorStorage(BlockScaledStorage):
@@ -278,17 +266,7 @@ class NVFP4Quantizer(BlockQuantizer):
         shape = tuple(shape)
         return (shape[-1],) + shape[:-1] if shape else ()
 
-    def is_quantizable(self, inp: torch.Tensor) -> bool:
-        if inp.dim() < 2:
-            return False
-        m, k = _flat2d(inp.shape)
-        return m % nc.NVFP4_BLOCK == 0 and k % nc.NVFP4_BLOCK == 0
-
-    def _shape_error(self, x: torch.Tensor) -> Optional[str]:
-        if self.is_quantizable(x):
-            return None
-        return (f"NVFP4 requires tensor dims that are divisible by {nc.NVFP4_BLOCK} (at least 2 dims; the "
-                f"flattened first dims and the last dim), got shape {tuple(x.shape)}")
+    _dims_multiple_of = ("NVFP4", nc.NVFP4_BLOCK)
 
     def _draws(self, x: torch.Tensor) -> Optional[torch.Tensor]:
         if not self.stochastic_rounding:
@@ -315,15 +293,6 @@ class NVFP4Quantizer(BlockQuantizer):
             out.update(columnwise_data=data, columnwise_scale_inv=_zero_padded(scales, nvfp4_scale_shape(shape, True)),
                        amax_columnwise=amax)
         return out
-
-    def _check(self, tensor: torch.Tensor) -> torch.Tensor:
-        tensor = high_precision_input(tensor, type(self).__name__)
-        problem = self._shape_error(tensor)
-        if problem:
-            raise ValueError(f"{type(self).__name__}: {problem}")
-        if not (self.rowwise_usage or self.columnwise_usage):
-            raise ValueError(f"{type(self).__name__}: neither rowwise nor columnwise usage is set")
-        return tensor
 
     def quantize_impl(self, tensor: torch.Tensor):
         x = self._check(tensor)
