@@ -176,3 +176,14 @@ def test_views_detach_clone_keep_fields():
     for t in (q.detach(), q.clone()):
         assert isinstance(t, NVFP4Tensor) and torch.equal(t._amax_columnwise, q._amax_columnwise)
         assert torch.equal(t.dequantize(), q.dequantize())
+
+
+def test_quantize_in_place():
+    q = NVFP4Quantizer(with_rht=True)
+    t = q(torch.randn(32, 64))
+    x2 = torch.randn(32, 64) * 3
+    t.quantize_(x2)
+    fresh = q(x2)
+    for name in ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv", "_amax_rowwise",
+                 "_amax_columnwise"):
+        assert torch.equal(getattr(t, name), getattr(fresh, name)), name
