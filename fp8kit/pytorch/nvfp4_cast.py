@@ -32,8 +32,8 @@ E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 8 i
 __all__ = ["NVFP4_BLOCK", "E2M1_VALUES", "global_encode_scale", "block_scales", "e2m1_codes", "pack_e2m1",
            "unpack_e2m1", "e2m1_decode", "nvfp4_cast", "tensor_amax"]
 
-# the midpoints between neighbouring E2M1 magnitudes; a tie goes to the even code (odd midpoint index rounds up)
-_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+# the code of an E2M1 magnitude m, indexed by 2 * m (0, 1, 2, 3, 4, 6, 8, 12; other entries unused)
+_CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
 
 
 def _const(value: float, like: torch.Tensor) -> torch.Tensor:
@@ -70,21 +70,21 @@ def block_scales(block_amax: torch.Tensor, encode: torch.Tensor) -> Tuple[torch.
 
 def e2m1_codes(v: torch.Tensor, rand: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Rule 4's E2M1 codes (uint8, 0..15) of the float32 `v` (already clamped to [-6, 6]): round to nearest even,
-    or stochastically with `rand` (uniform [0, 1) float32 of v's shape): up when rand < (|v| - lo) / (hi - lo)."""
+    or stochastically with `rand` (uniform [0, 1) float32 of v's shape): up when rand < (|v| - lo) / (hi - lo).
+
+    The E2M1 magnitudes are evenly spaced by h = 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so rounding is
+    `h * round(|v| / h)` with torch.round's ties-to-even on the (exact) quotient, and the stochastic fraction
+    `(|v| - lo) / h` is exact."""
     a = v.abs()
-    mids = torch.tensor(_MIDPOINTS, dtype=torch.float32, device=v.device)
+    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    h = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(a.dtype)
     if rand is None:
-        below = (a[..., None] > mids).sum(-1)
-        odd_tie = (a[..., None] == mids) & (torch.arange(len(_MIDPOINTS), device=v.device) % 2 == 1)
-        mag = below + odd_tie.any(-1).to(below.dtype)
+        mag = torch.round(a / h) * h
     else:
-        grid = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=v.device)
-        lo_idx = ((a[..., None] >= grid[1:]).sum(-1)).clamp(max=len(E2M1_VALUES) - 1)
-        lo = grid[lo_idx]
-        hi = grid[(lo_idx + 1).clamp(max=len(E2M1_VALUES) - 1)]
-        frac = torch.where(hi > lo, (a - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi)), torch.zeros_like(a))
-        mag = lo_idx + (rand < frac).to(lo_idx.dtype)
-    code = mag.to(torch.uint8) | (torch.signbit(v).to(torch.uint8) << 3)
+        lo = torch.floor(a / h) * h
+        mag = lo + torch.where(rand < (a - lo) / h, h, torch.zeros_like(h))
+    code = _CODE_OF_TWICE.to(v.device)[(mag * 2).long()]
+    code = code | (torch.signbit(v).to(torch.uint8) << 3)
     return torch.where(torch.isnan(v), torch.zeros_like(code), code)
 
 
