@@ -30,7 +30,7 @@ FLT_MAX = float(torch.finfo(torch.float32).max)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # codes 0..7; code | 8 is the negative
 
 __all__ = ["NVFP4_BLOCK", "E2M1_VALUES", "global_encode_scale", "block_scales", "e2m1_codes", "pack_e2m1",
-           "unpack_e2m1", "e2m1_decode", "nvfp4_cast", "tensor_amax"]
+           "unpack_e2m1", "e2m1_decode", "nvfp4_cast"]
 
 # the code of an E2M1 magnitude m, indexed by 2 * m (0, 1, 2, 3, 4, 6, 8, 12; other entries unused)
 _CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=torch.uint8)
@@ -38,13 +38,6 @@ _CODE_OF_TWICE = torch.tensor([0, 1, 2, 3, 4, 0, 5, 0, 6, 0, 0, 0, 7], dtype=tor
 
 def _const(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), value, dtype=torch.float32, device=like.device)
-
-
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a float32 tensor of shape (1,), NaN ignored (0 for an empty tensor)."""
-    if x.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=x.device)
-    return nan_free_abs(x).amax().float().reshape(1)
 
 
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
@@ -75,8 +68,8 @@ def e2m1_codes(v: torch.Tensor, rand: Optional[torch.Tensor] = None) -> torch.Te
     The E2M1 magnitudes are evenly spaced by h = 0.5 below 2, 1 in [2, 4) and 2 in [4, 6], so rounding is
     `h * round(|v| / h)` with torch.round's ties-to-even on the (exact) quotient, and the stochastic fraction
     `(|v| - lo) / h` is exact."""
-    a = v.abs()
-    a = torch.where(torch.isnan(a), torch.zeros_like(a), a)
+    nan = torch.isnan(v)
+    a = v.abs().masked_fill(nan, 0.0)
     h = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(a.dtype)
     if rand is None:
         mag = torch.round(a / h) * h
@@ -85,7 +78,7 @@ def e2m1_codes(v: torch.Tensor, rand: Optional[torch.Tensor] = None) -> torch.Te
         mag = lo + torch.where(rand < (a - lo) / h, h, torch.zeros_like(h))
     code = _CODE_OF_TWICE.to(v.device)[(mag * 2).long()]
     code = code | (torch.signbit(v).to(torch.uint8) << 3)
-    return torch.where(torch.isnan(v), torch.zeros_like(code), code)
+    return code.masked_fill(nan, 0)
 
 
 def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
@@ -105,22 +98,26 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.long()]
 
 
-def nvfp4_cast(x: torch.Tensor, amax: torch.Tensor, two_d: bool = False,
-               rand: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Quantize the (M, K) tensor `x` (M, K multiples of 16) with the per-tensor `amax` (float32, (1,)): 1x16
-    blocks along K, or 16x16 blocks (`two_d`). Returns (packed uint8 (M, K / 2), E4M3 scale bytes uint8
-    (M, K / 16); a 16x16 block's scale repeated on its 16 rows). `rand`: uniform draws of x's shape for
-    stochastic rounding (None: round to nearest even)."""
+def nvfp4_cast(x: torch.Tensor, amax: Optional[torch.Tensor] = None, two_d: bool = False,
+               rand: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize the (M, K) tensor `x` (M, K multiples of 16): 1x16 blocks along K, or 16x16 blocks (`two_d`), with
+    the per-tensor `amax` (float32, (1,); None: x's own, rule 1). Returns (packed uint8 (M, K / 2), E4M3 scale bytes
+    uint8 (M, K / 16), a 16x16 block's scale repeated on its 16 rows; the amax used). `rand`: uniform draws of x's
+    shape for stochastic rounding (None: round to nearest even)."""
     m, k = x.shape
     if m % NVFP4_BLOCK or k % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs dims divisible by {NVFP4_BLOCK}: got shape ({m}, {k})")
-    encode = global_encode_scale(amax).reshape(())
     if two_d:
         tiles = x.reshape(m // NVFP4_BLOCK, NVFP4_BLOCK, k // NVFP4_BLOCK, NVFP4_BLOCK)
-        block_amax = nan_free_abs(tiles).amax(dim=(1, 3)).float().repeat_interleave(NVFP4_BLOCK, dim=0)
+        block_amax = nan_free_abs(tiles).amax(dim=(1, 3)).float()
     else:
         block_amax = nan_free_abs(x.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)).amax(dim=2).float()
+    if amax is None:  # the largest block amax is the tensor's (NaN ignored in both)
+        amax = block_amax.amax().reshape(1) if block_amax.numel() else torch.zeros(1, device=x.device)
+    if two_d:
+        block_amax = block_amax.repeat_interleave(NVFP4_BLOCK, dim=0)
+    encode = global_encode_scale(amax).reshape(())
     scale_bytes, factor = block_scales(block_amax, encode)
     v = x.float().reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK) * factor[:, :, None]
     v = v.clamp(-E2M1_MAX, E2M1_MAX).reshape(m, k)
-    return pack_e2m1(e2m1_codes(v, rand)), scale_bytes
+    return pack_e2m1(e2m1_codes(v, rand)), scale_bytes, amax

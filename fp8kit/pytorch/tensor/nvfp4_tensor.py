@@ -280,16 +280,14 @@ class NVFP4Quantizer(BlockQuantizer):
                    amax_rowwise=None, amax_columnwise=None)
         two_d = self.with_2d_quantization
         if self.rowwise_usage:
-            amax = nc.tensor_amax(x2)
-            data, scales = nc.nvfp4_cast(x2, amax, two_d, self._draws(x2))
+            data, scales, amax = nc.nvfp4_cast(x2, None, two_d, self._draws(x2))
             out.update(rowwise_data=data.reshape(shape[:-1] + (shape[-1] // 2,)),
                        rowwise_scale_inv=_zero_padded(scales, nvfp4_scale_shape(shape, False)), amax_rowwise=amax)
         if self.columnwise_usage:
             xt = x2.t().contiguous()
             if self.with_rht:
                 xt = rht(xt, self.with_random_sign_mask)
-            amax = nc.tensor_amax(xt)
-            data, scales = nc.nvfp4_cast(xt, amax, two_d, self._draws(xt))
+            data, scales, amax = nc.nvfp4_cast(xt, None, two_d, self._draws(xt))
             out.update(columnwise_data=data, columnwise_scale_inv=_zero_padded(scales, nvfp4_scale_shape(shape, True)),
                        amax_columnwise=amax)
         return out
