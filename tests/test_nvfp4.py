@@ -131,6 +131,8 @@ def test_errors():
         NVFP4Quantizer(row_scaled_nvfp4=True)
     with pytest.raises(NotImplementedError, match="nvfp4_use_4over6"):
         NVFP4Quantizer(nvfp4_use_4over6=True)
+    with pytest.raises(NotImplementedError, match="with_post_rht_amax"):
+        NVFP4Quantizer(with_rht=True)
     with pytest.raises(TypeError, match="kFloat4E2M1"):
         NVFP4Quantizer(torch.float8_e4m3fn)
     with pytest.raises(TypeError, match="float32/bfloat16/float16"):
@@ -179,7 +181,7 @@ def test_views_detach_clone_keep_fields():
 
 
 def test_quantize_in_place():
-    q = NVFP4Quantizer(with_rht=True)
+    q = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)
     t = q(torch.randn(32, 64))
     x2 = torch.randn(32, 64) * 3
     t.quantize_(x2)

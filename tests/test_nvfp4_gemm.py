@@ -31,9 +31,9 @@ def test_linear_gemms_bit_exact(two_d_w):
     x = wide_range((64, 96), torch.bfloat16, seed=5).float().clamp(-1e3, 1e3).bfloat16()
     w = torch.randn(32, 96, dtype=torch.bfloat16)
     dy = torch.randn(64, 32, dtype=torch.bfloat16)
-    qx = NVFP4Quantizer(with_rht=True)(x)
+    qx = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)(x)
     qw = NVFP4Quantizer(with_2d_quantization=two_d_w)(w)
-    qdy = NVFP4Quantizer(with_rht=True)(dy)
+    qdy = NVFP4Quantizer(with_rht=True, with_post_rht_amax=True)(dy)
     y = nvfp4_gemm_rule(qx, qw.transposed(), torch.float32)  # x @ w^T
     np.testing.assert_array_equal(y.numpy(), _ref(qx, False, qw, False))
     dx = nvfp4_gemm_rule(qdy, qw, torch.float32)  # dy @ w
@@ -74,7 +74,7 @@ def test_no_host_reads_on_meta():
     """Quantizer (RHT, 2D, stochastic rounding), dequantize and GEMM on the `meta` device, where any read of a value on
     the host raises: nothing in them synchronises a GPU."""
     x = torch.randn(64, 96, device="meta", dtype=torch.bfloat16)
-    for kw in (dict(with_rht=True, stochastic_rounding=True), dict(with_2d_quantization=True)):
+    for kw in (dict(with_rht=True, with_post_rht_amax=True, stochastic_rounding=True), dict(with_2d_quantization=True)):
         t = NVFP4Quantizer(**kw)(x)
         assert t._rowwise_data.device.type == "meta" and t.dequantize().shape == (64, 96)
         y = nvfp4_gemm(t, t, transpose_a=True, transpose_b=True, bias=torch.zeros(96, device="meta"))

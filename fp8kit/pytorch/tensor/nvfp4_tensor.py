@@ -212,7 +212,7 @@ class NVFP4Quantizer(BlockQuantizer):
     nvfp4_e4m3_max=448, nvfp4_4over6_err_mode="MAE", with_random_sign_mask=True).
 
     - `with_rht`: the columnwise usage is quantized from the random Hadamard transform of the transpose (its amax
-      taken after the transform); the rowwise usage never is.
+      taken after the transform, so `with_post_rht_amax` must be True too); the rowwise usage never is.
     - `with_2d_quantization`: one scale per 16x16 block (both usages); else 1x16 (rowwise) and 16x1 (columnwise).
     - `stochastic_rounding`: E2M1 values rounded stochastically with uniform draws from torch's generator
       (`generator`, default: the device's default generator), fresh on every call.
@@ -233,6 +233,9 @@ class NVFP4Quantizer(BlockQuantizer):
                             ("nvfp4_use_4over6", nvfp4_use_4over6)):
             if value:
                 raise NotImplementedError(f"NVFP4Quantizer: {name}=True is not supported by fp8kit")
+        if with_rht and not with_post_rht_amax:
+            raise NotImplementedError("NVFP4Quantizer: with_rht=True needs with_post_rht_amax=True (fp8kit takes the "
+                                      "columnwise amax after the transform, as NVFP4BlockScaling does)")
         self.dtype = DType.kFloat4E2M1
         self.with_rht, self.with_post_rht_amax = bool(with_rht), bool(with_post_rht_amax)
         self.with_2d_quantization = bool(with_2d_quantization)
