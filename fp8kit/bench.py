@@ -278,13 +278,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "reported apart; fp8kit/bench_compile.py)")
     parser.add_argument("--compile-backend", choices=("inductor", "aot_eager", "eager"), default="inductor",
                         help="torch.compile backend for --compile (default: inductor)")
+    parser.add_argument("--overhead", action="store_true", help="instead: host time per module call (forward, "
+                        "backward, autocast exit for 10/200/1000 modules) against the torch equivalents, tiny "
+                        "shapes, one thread, tensor path (fp8kit/bench_overhead.py)")
     parser.set_defaults(run=_run, subparser=parser)
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.memory and args.compile:
         parser.error("argument --compile: not allowed with argument --memory")
-    if args.compile:
+    if args.overhead and (args.memory or args.compile):
+        parser.error("argument --overhead: not allowed with --memory or --compile")
+    if args.overhead:
+        from fp8kit.bench_overhead import format_overhead_report, run_overhead_bench
+
+        report = run_overhead_bench(args.quick, args.rounds, log=lambda line: print(line, file=sys.stderr, flush=True))
+        print(format_overhead_report(report))
+    elif args.compile:
         from fp8kit.bench_compile import format_compile_report, run_compile_bench
 
         report = run_compile_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes,

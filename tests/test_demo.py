@@ -198,7 +198,7 @@ def test_corpus_is_the_sorted_standard_library(corpus):
 def test_corpus_fallback_is_fp8kits_own_source(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "__file__", str(tmp_path / "os.py"))  # a Python without library sources
     directory, files = default_sources()
-    assert directory.endswith("fp8kit") and any(f.endswith(os.path.join("fp8kit", "recipe.py")) for f in files)
+    assert directory.endswith("fp8kit") and any(f.endswith(os.path.join("fp8kit", "recipe", "base.py")) for f in files)
     assert load_corpus(max_chars=10_000).chars == 10_000
 
 

@@ -179,8 +179,10 @@ class _Recorder(TorchDispatchMode):
 
     def __init__(self, watched):
         super().__init__()
-        self.watched = {t.untyped_storage().data_ptr(): t for t in watched}
-        self.after_last_write = {}
+        self.watched = {}  # storage -> the watched tensors viewing it (states may share a flat buffer)
+        for t in watched:
+            self.watched.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        self.after_last_write = {}  # id(watched tensor) -> its value after the last write to its storage
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -192,8 +194,8 @@ class _Recorder(TorchDispatchMode):
                 value = kwargs.get(arg.name, args[i] if i < len(args) else None)
                 for t in value if isinstance(value, (list, tuple)) else (value,):
                     ptr = t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
-                    if ptr in self.watched:
-                        self.after_last_write[ptr] = self.watched[ptr].clone()
+                    for w in self.watched.get(ptr, ()):
+                        self.after_last_write[id(w)] = w.clone()
         return out
 
 
@@ -225,6 +227,6 @@ def test_a_step_changes_the_state_only_through_tensor_operations(recipe_name, mo
     else:
         assert not changed
     for t in changed:  # its final value is what the last tensor operation writing it left
-        last = recorder.after_last_write.get(t.untyped_storage().data_ptr())
+        last = recorder.after_last_write.get(id(t))
         assert last is not None and torch.equal(t, last), f"a state tensor {tuple(t.shape)} changed outside any " \
                                                           "tensor operation"

@@ -12,6 +12,7 @@ import flax.linen as nn  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import fp8kit.jax as te  # noqa: E402
+import fp8kit.jax.flax as te_flax  # noqa: E402
 from fp8kit.jax.flax import DenseGeneral  # noqa: E402
 from fp8kit.jax.state import init_group  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Format  # noqa: E402
@@ -480,6 +481,43 @@ def test_one_compilation_across_steps():
             scales.append(float(v["fp8_metas"]["x_scale"][0]))
     assert len(traces) == 1 and train_step._cache_size() == 1
     assert scales[0] == 448.0 and scales[-1] == np.float32(448.0) / np.float32(5.0)
+
+
+def test_recipe_assigned_between_steps_is_traced_again_with_its_fields():
+    """Recipes are mutable: autocast reads the fields at entry (the snapshot jax.jit's cache key holds), so an
+    assignment between steps retraces once and the new margin sets the next scales; block recipes are refused."""
+    from fp8kit.recipe import Float8BlockScaling, MXFP8BlockScaling
+
+    traces = []
+    recipe = DelayedScaling(amax_history_len=8)
+    layer = DenseGeneral(features=OUT)
+    x = jnp.ones((ROWS, IN))
+    with te.autocast(enabled=True, recipe=recipe):
+        v = jax.jit(layer.init)(jax.random.PRNGKey(4), x)
+        assert te.get_recipe() == recipe and te.get_recipe() is recipe.snapshot()
+
+    @jax.jit
+    def train_step(v, x):
+        traces.append(1)
+        grads = jax.grad(lambda vv: jnp.sum(layer.apply(vv, x) ** 2))(v)
+        return {"params": v["params"], "fp8_metas": split_grads(grads, v["fp8_metas"])[1]}
+
+    scales = []
+    for i in range(4):
+        if i == 2:
+            recipe.margin = 1
+        with te.autocast(enabled=True, recipe=recipe):
+            v = train_step(v, x * (i + 1))
+        scales.append(float(v["fp8_metas"]["x_scale"][0]))
+    assert len(traces) == 2  # one trace per set of fields
+    # the x amax of step i is i + 1 (history max); the scale is float32(448 * 2**-margin) / amax
+    assert scales == [float(ref.scaled_max(448.0, m) / np.float32(i + 1)) for i, m in enumerate((0, 0, 1, 1))]
+    for cls in (MXFP8BlockScaling, Float8BlockScaling):
+        with pytest.raises(NotImplementedError, match=cls.__name__):
+            with te.autocast(enabled=True, recipe=cls()):
+                pass
+        with pytest.raises(NotImplementedError, match=cls.__name__):
+            te_flax.make_dot_general_cls(cls())
 
 
 def test_clear_errors():

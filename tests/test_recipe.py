@@ -3,7 +3,15 @@ import pathlib
 
 import pytest
 
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.recipe import (
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 
 def test_format_maxima_and_names():
@@ -33,14 +41,14 @@ def test_current_defaults():
 
 
 @pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling])
-def test_immutable_hashable_equal(cls):
+def test_equal_by_fields_snapshots_hashable(cls):
     a, b = cls(), cls()
-    assert a == b and hash(a) == hash(b)
-    assert len({a, b}) == 1
-    with pytest.raises(Exception):
-        a.fp8_format = Format.E4M3
-    c = cls(fp8_format=Format.E4M3)
-    assert c != a
+    assert a == b and a.snapshot() == b.snapshot() == a and hash(a.snapshot()) == hash(b.snapshot())
+    assert len({a.snapshot(), b.snapshot()}) == 1
+    with pytest.raises(TypeError, match="unhashable.*snapshot"):  # mutable, as Transformer Engine's recipes
+        hash(a)
+    a.fp8_format = Format.E4M3
+    assert a != b and a == cls(fp8_format=Format.E4M3)
 
 
 def test_every_field_distinguishes_delayed_recipes():
@@ -52,14 +60,16 @@ def test_every_field_distinguishes_delayed_recipes():
                 dict(scaling_factor_compute_algo=lambda a, s, m, r: s),
                 dict(override_linear_precision=(True, False, False)), dict(reduce_amax=False),
                 dict(power_2_scale=True)]
-    recipes = {DelayedScaling()} | {DelayedScaling(**v) for v in variants}
+    recipes = {DelayedScaling().snapshot()} | {DelayedScaling(**v).snapshot() for v in variants}
     assert len(recipes) == len(variants) + 1
 
 
 def test_list_override_becomes_tuple_and_hashes():
     r = DelayedScaling(override_linear_precision=[False, True, False])
     assert r.override_linear_precision == (False, True, False)
-    hash(r)
+    hash(r.snapshot())
+    r.override_linear_precision = [True, True, False]
+    assert r.override_linear_precision == (True, True, False)
 
 
 @pytest.mark.parametrize("cls", [DelayedScaling, Float8CurrentScaling])
@@ -114,9 +124,10 @@ def test_pure_e5m2_accepted():
 
 
 def test_recipe_module_imports_no_framework():
-    src = pathlib.Path(__file__).parents[1].joinpath("fp8kit", "recipe.py").read_text()
     names = set()
-    for node in ast.walk(ast.parse(src)):
+    files = sorted(pathlib.Path(__file__).parents[1].joinpath("fp8kit", "recipe").glob("*.py"))
+    assert len(files) >= 4
+    for node in (n for f in files for n in ast.walk(ast.parse(f.read_text()))):
         if isinstance(node, ast.Import):
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module:
@@ -141,13 +152,21 @@ def test_real_margin_accepted_and_scaled_max_matches_float32_formula():
 def test_predicates_are_class_methods_as_in_te():
     from fp8kit.recipe import Recipe
 
-    for cls in (DelayedScaling, Float8CurrentScaling):
+    predicates = ["delayed", "float8_current_scaling", "mxfp8", "float8_block_scaling", "nvfp4", "custom"]
+    classes = [DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling,
+               CustomRecipe]
+    for i, cls in enumerate(classes):
         assert issubclass(cls, Recipe)
-        for obj in (cls, cls()):
-            assert obj.float8_per_tensor_scaling()
-            assert not (obj.mxfp8() or obj.nvfp4() or obj.float8_block_scaling() or obj.custom())
-    assert DelayedScaling.delayed() and not DelayedScaling.float8_current_scaling()
-    assert Float8CurrentScaling().float8_current_scaling() and not Float8CurrentScaling().delayed()
+        instance = cls(qfactory=lambda role: None) if cls is CustomRecipe else cls()
+
+        class Derived(cls):  # a user subclass answers as its base, as issubclass does in Transformer Engine
+            pass
+
+        for obj in (cls, instance, instance.snapshot(), Derived):
+            assert [getattr(obj, p)() for p in predicates] == [j == i for j in range(6)], (cls, obj)
+            assert obj.float8_per_tensor_scaling() == (i < 2)
+            assert isinstance(getattr(type(instance), "delayed"), type(Recipe.delayed))  # bound to the class
+    assert not any(getattr(Recipe, p)() for p in predicates)
 
 
 def test_current_scaling_qparams_default_from_the_shortcuts():
@@ -161,7 +180,140 @@ def test_current_scaling_qparams_default_from_the_shortcuts():
     assert Float8CurrentScaling() == Float8CurrentScaling(fp8_quant_fwd_inp=QParams())
     assert (r.fp8_gemm_fprop, r.fp8_gemm_dgrad, r.fp8_gemm_wgrad) == (
         MMParams(False), MMParams(True), MMParams(True))
-    with pytest.raises(NotImplementedError, match="stochastic_rounding"):
-        QParams(stochastic_rounding=True)
+    assert QParams(stochastic_rounding=True).stochastic_rounding  # an NVFP4 option: current scaling refuses it
+    with pytest.raises(ValueError, match="fp8_quant_bwd_grad.*stochastic_rounding"):
+        Float8CurrentScaling(fp8_quant_bwd_grad=QParams(stochastic_rounding=True))
     with pytest.raises(ValueError, match="amax_epsilon"):
         QParams(amax_epsilon=-1.0)
+
+
+# ---- Transformer Engine's defaults and text (read from transformer_engine/common/recipe/__init__.py, d0067d0) ----
+
+TE_DEFAULTS = {
+    DelayedScaling: dict(margin=0, fp8_format=Format.HYBRID, amax_history_len=1024, amax_compute_algo="max",
+                         scaling_factor_compute_algo=None, reduce_amax=True, fp8_dpa=False, fp8_mha=False,
+                         backward_override=None),
+    Float8CurrentScaling: dict(use_power_2_scales=False, fp8_format=Format.HYBRID,
+                               fp8_gemm_fprop=(False,), fp8_gemm_dgrad=(True,), fp8_gemm_wgrad=(True,),
+                               fp8_quant_fwd_inp=(False, 0.0, False, False, False),
+                               fp8_quant_fwd_weight=(False, 0.0, False, False, False),
+                               fp8_quant_bwd_grad=(False, 0.0, False, False, False),
+                               fp8_dpa=False, fp8_mha=False, backward_override=None),
+}
+
+
+def _plain(value):
+    """MMParams / QParams as tuples of their fields, so that the expectations above need no fp8kit class."""
+    import dataclasses
+
+    return dataclasses.astuple(value) if dataclasses.is_dataclass(value) else value
+
+
+@pytest.mark.parametrize("cls", list(TE_DEFAULTS))
+def test_defaults_are_transformer_engines(cls):
+    r = cls()
+    assert {name: _plain(getattr(r, name)) for name in TE_DEFAULTS[cls]} == TE_DEFAULTS[cls]
+    # Transformer Engine's own fields come first, in its order (positional arguments mean the same)
+    import dataclasses
+
+    positional = [f.name for f in dataclasses.fields(cls) if not f.kw_only]
+    assert positional == [n for n in TE_DEFAULTS[cls] if n in positional]
+    assert set(TE_DEFAULTS[cls]) - {"fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"} == \
+        set(positional)
+
+
+def test_repr_is_transformer_engines():
+    assert repr(DelayedScaling(margin=2, amax_history_len=16)) == (
+        "recipe_type=DelayedScaling, margin=2, format=HYBRID, amax_history_len=16, reduce_amax=True, "
+        "fp8_dpa=False, fp8_mha=False, backward_override=None")
+    qparams = ("Qparams(\npower_2_scale=False,\namax_epsilon=0.0,\nrandom_hadamard_transform=False,\n"
+               "stochastic_rounding=False,\nfp4_2d_quantization=False\n)")
+    assert repr(Float8CurrentScaling()) == (
+        f"recipe_type=Float8CurrentScaling, format=HYBRID, fp8_quant_fwd_inp={qparams}, "
+        f"fp8_quant_fwd_weight={qparams}, fp8_quant_bwd_grad={qparams}, "
+        "fp8_gemm_fprop=MMParams(use_split_accumulator=False), fp8_gemm_dgrad=MMParams(use_split_accumulator=True), "
+        "fp8_gemm_wgrad=MMParams(use_split_accumulator=True), fp8_dpa=False, fp8_mha=False, backward_override=None")
+    # fp8kit's own fields show only when set, so the text stays Transformer Engine's for the recipes it knows
+    assert repr(DelayedScaling(interval=2)).endswith("backward_override=None, interval=2")
+    r = DelayedScaling()
+    text = repr(r)
+    r.amax_history_len = 8  # the text follows assignments
+    assert repr(r) == text.replace("amax_history_len=1024", "amax_history_len=8")
+
+
+# ---- mutation ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cls,name,bad,good", [
+    (DelayedScaling, "amax_history_len", 0, 16), (DelayedScaling, "margin", -1, 2.5),
+    (DelayedScaling, "amax_compute_algo", "mean", "most_recent"), (DelayedScaling, "reduce_amax", 0, False),
+    (DelayedScaling, "fp8_format", Format.E2M1, Format.E4M3), (DelayedScaling, "interval", 0, 3),
+    (DelayedScaling, "override_linear_precision", (True,), (True, False, False)),
+    (Float8CurrentScaling, "amax_epsilon", float("nan"), 1e-3),
+    (Float8CurrentScaling, "backward_override", "fp8", "high_precision"),
+    (Float8CurrentScaling, "fp8_gemm_fprop", True, None),
+])
+def test_assignment_is_validated_as_construction_is(cls, name, bad, good):
+    from fp8kit.recipe import MMParams
+
+    good = MMParams(True) if name == "fp8_gemm_fprop" else good
+    r = cls()
+    before = r.snapshot()
+    with pytest.raises(ValueError, match=name):
+        setattr(r, name, bad)
+    assert r == before and r.snapshot() is before  # a refused assignment leaves the recipe as it was
+    setattr(r, name, good)
+    assert getattr(r, name) == good and r.snapshot() is not before and r.snapshot() == r != before
+    assert getattr(before, name) != good  # the earlier snapshot keeps the old value
+
+
+def test_unknown_attribute_and_snapshot_assignment_raise():
+    r = DelayedScaling()
+    with pytest.raises(AttributeError, match="amax_histroy_len.*amax_history_len"):
+        r.amax_histroy_len = 16  # a typo is not silently kept (unlike Transformer Engine)
+    with pytest.raises(AttributeError, match="read-only snapshot"):
+        r.snapshot().margin = 1
+    assert r.snapshot().snapshot() is r.snapshot()
+
+
+def test_derived_qparams_follow_their_fields_until_assigned():
+    from fp8kit.recipe import QParams
+
+    r = Float8CurrentScaling()
+    r.use_power_2_scales = True
+    r.amax_epsilon = 0.5
+    assert r.fp8_quant_fwd_inp == r.fp8_quant_bwd_grad == QParams(power_2_scale=True, amax_epsilon=0.5)
+    r.fp8_quant_bwd_grad = QParams(amax_epsilon=2.0)  # assigned: kept as assigned
+    r.use_power_2_scales = False
+    assert r.fp8_quant_fwd_inp == QParams(amax_epsilon=0.5) and r.fp8_quant_bwd_grad == QParams(amax_epsilon=2.0)
+    r.fp8_quant_bwd_grad = None  # None: derived again
+    assert r.fp8_quant_bwd_grad == QParams(amax_epsilon=0.5)
+
+
+def test_copies_keep_fields_and_stay_mutable():
+    import copy
+    import dataclasses
+    import pickle
+
+    r = DelayedScaling(amax_history_len=16, margin=1)
+    r.reduce_amax = False
+    for c in (copy.deepcopy(r), pickle.loads(pickle.dumps(r)), copy.copy(r)):
+        assert c == r and c is not r
+        c.amax_history_len = 8
+        assert r.amax_history_len == 16 and c.snapshot().amax_history_len == 8
+    snap = pickle.loads(pickle.dumps(r.snapshot()))
+    assert snap == r.snapshot() and hash(snap) == hash(r.snapshot())
+    with pytest.raises(AttributeError):
+        snap.margin = 0
+    replaced = dataclasses.replace(r.snapshot(), reduce_amax=True)  # a new, mutable recipe
+    assert replaced.reduce_amax and replaced.amax_history_len == 16
+    replaced.margin = 3
+
+
+def test_equal_recipes_share_one_snapshot_object():
+    """Registry keys then also match by identity, which torch.compile relies on when it looks up keys while tracing
+    (tests/test_recipe_mutation.py::test_compiled_function_recompiles_for_an_assigned_recipe)."""
+    a, b = DelayedScaling(amax_history_len=16), DelayedScaling()
+    assert a.snapshot() is not b.snapshot()
+    b.amax_history_len = 16
+    assert a.snapshot() is b.snapshot()
+    assert Float8CurrentScaling().snapshot() is Float8CurrentScaling().snapshot()

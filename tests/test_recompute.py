@@ -194,3 +194,36 @@ def test_checkpoint_replays_rng_tracker_states(use_reentrant):
     mask = (y.detach() != 0).float()
     assert torch.equal(x.grad, mask * 2 * 3)  # the recompute drew the same dropout mask (kept values x2)
     assert 0 < mask.mean() < 1
+
+
+@pytest.mark.parametrize("use_reentrant", [True, False])
+def test_recompute_queries_as_in_transformer_engine(use_reentrant):
+    """TE's test_numerics.py::test_checkpoint_inner_autocast_is_an_fp8_recompute_region, ported: inside te.checkpoint
+    the region counts as an FP8 recompute region only inside an enabled autocast, in both phases; the phase query
+    says which pass runs. Outside te.checkpoint (torch's own checkpoint included) both are False."""
+    from fp8kit.pytorch.distributed import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
+
+    recipe = DelayedScaling()
+    layer = te.Linear(16, 16, bias=False)
+    observed = []
+
+    def body(value):
+        outside = is_fp8_activation_recompute_enabled()
+        with te.autocast(enabled=True, recipe=recipe):
+            observed.append((outside, is_fp8_activation_recompute_enabled(), in_fp8_activation_recompute_phase()))
+            return layer(value)
+
+    inp = torch.randn(16, 16, requires_grad=True)
+    te.checkpoint(body, inp, use_reentrant=use_reentrant).sum().backward()
+    assert observed == [(False, True, False), (False, True, True)]
+    assert torch.isfinite(inp.grad).all() and torch.isfinite(layer.weight.grad).all()
+
+    observed.clear()
+    with te.autocast(enabled=True, recipe=recipe):
+        assert not is_fp8_activation_recompute_enabled() and not in_fp8_activation_recompute_phase()
+    torch.utils.checkpoint.checkpoint(body, inp, use_reentrant=use_reentrant).sum().backward()
+    assert observed == [(False, False, False)] * 2
+    with te.autocast(enabled=False):
+        te.checkpoint(lambda v: (observed.append(is_fp8_activation_recompute_enabled()), layer(v))[1], inp,
+                      use_reentrant=use_reentrant).sum().backward()
+    assert observed[-2:] == [False, False]  # no FP8 autocast: not an FP8 recompute region

@@ -37,9 +37,9 @@ def _recipe(recipe: Union[None, Recipe, Mapping]) -> Recipe:
         kwargs = dict(recipe)
         if isinstance(kwargs.get("fp8_format"), str):
             name = kwargs["fp8_format"]
-            if name not in Format.__members__:
-                raise ValueError(f"FP8Precision: recipe['fp8_format'] must be one of {', '.join(Format.__members__)}, "
-                                 f"got {name!r}")
+            fp8 = [n for n in Format.__members__ if n != "E2M1"]  # E2M1 is FP4 (NVFP4 only)
+            if name not in fp8:
+                raise ValueError(f"FP8Precision: recipe['fp8_format'] must be one of {', '.join(fp8)}, got {name!r}")
             kwargs["fp8_format"] = Format[name]
         return DelayedScaling(**kwargs)
     if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):

@@ -17,7 +17,7 @@ from typing import Iterator, List, Optional, Tuple
 from jax import lax
 from jax.extend.core import get_opaque_trace_state
 
-from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..recipe import DelayedScaling, Recipe
 from . import settings
 from .sharding import MeshResource, current_mesh_resource, global_shard_guard
 
@@ -114,7 +114,8 @@ def autocast(
     """Run the fp8kit Flax layers (and `fp8kit.jax.dense`) traced inside this context in FP8.
 
     enabled: False runs them in high precision (the default, as in Transformer Engine).
-    recipe: `DelayedScaling` or `Float8CurrentScaling`; None means `DelayedScaling()`.
+    recipe: `DelayedScaling` or `Float8CurrentScaling`; None means `DelayedScaling()`. Its fields are read at entry
+      (`recipe.snapshot()`, which `get_recipe()` returns): assigning to the recipe later acts from the next entry.
     mesh_resource: which mesh axes are data/tensor/... parallel (amaxes are reduced over all but pipeline).
     Contexts nest; the innermost one decides. Settings are read at trace time.
     """
@@ -122,10 +123,14 @@ def autocast(
         raise ValueError(f"enabled: expected a bool, got {enabled!r}")
     if recipe is None:
         recipe = DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
+    if not isinstance(recipe, Recipe):
         raise ValueError(
             f"recipe: expected fp8kit.recipe.DelayedScaling or Float8CurrentScaling, got {type(recipe).__name__}"
         )
+    if not recipe.float8_per_tensor_scaling():
+        raise NotImplementedError(f"autocast: {type(recipe).__name__} is not implemented in fp8kit.jax yet (its "
+                                  "quantizers are missing); use DelayedScaling or Float8CurrentScaling")
+    recipe = recipe.snapshot()  # the fields at entry: traces (and jax.jit's cache) key on them
     if mesh_resource is None:
         mesh_resource = MeshResource()
     if not isinstance(mesh_resource, MeshResource):

@@ -147,6 +147,7 @@ def update_fp8_metas(
     recipe = get_recipe() if recipe is None else recipe
     if not isinstance(recipe, DelayedScaling):
         raise ValueError("update_fp8_metas: needs a DelayedScaling recipe (pass recipe= or call it inside autocast)")
+    recipe = recipe.snapshot()  # its fields now (the jitted update is cached per snapshot)
 
     def finalize(group, old):
         return keep_old_if_missing(_batched_update(recipe, group["x_scale"].ndim - 1)(group), old)

@@ -32,6 +32,7 @@ from .modules import (
     Linear,
     RMSNorm,
 )
+from .quantization import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from .quantize_api import quantize
 from .quantized_tensor import (
     QuantizedTensor,
@@ -82,4 +83,6 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            "enable_stats", "disable_stats", "reset_stats", "stats", "stats_to_csv", "format_stats",
            # Transformer Engine's availability queries (availability.py)
            "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
-           "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability"]
+           "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability",
+           # what a CustomRecipe's quantizer factory receives and returns (quantization.py)
+           "QuantizerRole", "QuantizerRequest", "DelayedScalingRequest"]

@@ -48,7 +48,7 @@ from .dist_rules import (
     rule_check,
     state_label,
 )
-from .state import update_states
+from .state_block import update_states
 
 __all__ = ["reduced_update", "check_local_key", "mismatch_message", "recipe_description"]
 

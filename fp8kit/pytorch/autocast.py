@@ -16,24 +16,25 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from dataclasses import dataclass, field
-from typing import Dict, Iterator, Optional, Tuple
+from typing import Dict, Iterator, Optional
 
 import torch
 
 from ..recipe import DelayedScaling, Recipe
-from . import registry
+from . import kernels, registry
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
+from .frames import STACK, current_frame
 from .recipe_families import registered_recipes
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .registry import register as _register_states
 from .registry import registry_states
 from .state import ScalingState
+from .state_block import flat_block, note_ran
 
 __all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states", "register", "has_pending_backward",
-           "run_pending_backward", "Frame"]
+           "run_pending_backward", "Frame", "entry_recipe"]
 
 # Keys whose reduced backward update waits for the next outermost autocast entry, with the number of the step they
 # belong to (insertion order = update order, the same on every rank).
@@ -54,6 +55,7 @@ class _Step:
         # the calls of a step traced by torch.compile (no per-step Python state at run time); None when eager
         self.traced: Optional[TracedCalls] = TracedCalls() if compiling() else None
         self.graph_calls: list = []  # (module, needs_backward) of the calls made under a graph-capture frame
+        self.flat: dict = {}  # (key, pass) -> which flat buffer the states that ran belong to (state_block.note_ran)
 
     def forward_called(self, key, needs_backward: bool, states=None) -> None:
         """A module call recording amaxes under `key`; `states`: its (forward, backward) ScalingStates."""
@@ -62,6 +64,7 @@ class _Step:
             ran = self.forward_keys[key] = {}
         if states is not None and id(states[0]) not in ran:
             ran[id(states[0])] = weakref.ref(states[0])
+            note_ran(self.flat, (key, "forward"), states[0])
         if needs_backward:
             self.pending_backward += 1
             backward = self.backward_keys.get(key)
@@ -69,6 +72,7 @@ class _Step:
                 backward = self.backward_keys[key] = {}
             if states is not None and id(states[1]) not in backward:
                 backward[id(states[1])] = weakref.ref(states[1])
+                note_ran(self.flat, (key, "backward"), states[1])
 
     def backward_done(self) -> None:
         # One backward runs at a time per step (autograd runs a CPU graph and a single-device graph on one thread);
@@ -78,8 +82,10 @@ class _Step:
         self.pending_backward -= 1
         run = self.pending_backward == 0
         keys = dict(self.backward_keys)
+        flat = self.flat
         if run:
             self.backward_keys = {}
+            self.flat = {name: entry for name, entry in flat.items() if name[1] == "forward"}
         if run:
             self.backward_finished = True
             release_step(self)  # no recompute of this step is left to come
@@ -87,7 +93,8 @@ class _Step:
                 if registry.reduces(key):  # collective: deferred to the next outermost entry
                     registry.entry(key).backward_ran = True
                 else:
-                    registry.update_key(key, "backward", _alive(states))
+                    block = flat_block(flat, (key, "backward"), len(states))
+                    registry.update_key(key, "backward", None if block is not None else _alive(states), block)
 
     def abort(self) -> None:
         """An exception left the outermost autocast: clear the forward staging amaxes of the keys this step used
@@ -126,28 +133,12 @@ class Frame:
         return isinstance(self.recipe, DelayedScaling) and (self.enabled or self.calibrating)
 
 
-class _ThreadStack(threading.local):
-    """The autocast stack of this thread (a tuple of Frames). A thread-local rather than a ContextVar, because
-    torch.compile traces thread-local attributes but not ContextVar.reset."""
-
-    def __init__(self):
-        # set per thread (threading.local runs __init__ in each), never a class default: torch.compile guards on
-        # the instance's __dict__, which must look the same before and after a compiled call
-        self.frames: Tuple[Frame, ...] = ()
-
-
-_STACK = _ThreadStack()
-
-
-def current_frame() -> Optional[Frame]:
-    """The innermost autocast frame, or None outside any autocast."""
-    stack = _STACK.frames
-    return stack[-1] if stack else None
+_STACK = STACK  # the thread's autocast stack (fp8kit.pytorch.frames)
 
 
 def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> None:
     """Register a module's states under the frame's key (moving them from another key if needed)."""
-    _register_states(frame.recipe, frame.group, forward, backward)
+    _register_states(frame.recipe, frame.group, forward, backward, flat=not (compiling() or frame.graph))
 
 
 def _update_step(step: _Step) -> None:
@@ -155,7 +146,11 @@ def _update_step(step: _Step) -> None:
     reduced = [key for key in step.entered if registry.reduces(key)]
     for key, states in step.forward_keys.items():
         if key not in reduced:
-            registry.update_key(key, "forward", _alive(states) + (flagged_forward(key) if PENDING.any else []))
+            block = None if PENDING.any else flat_block(step.flat, (key, "forward"), len(states))
+            if block is not None:
+                registry.update_key(key, "forward", block=block)
+            else:
+                registry.update_key(key, "forward", _alive(states) + (flagged_forward(key) if PENDING.any else []))
     if PENDING.any:  # keys only compiled calls used
         for key in step.entered:
             if key not in reduced and key not in step.forward_keys:
@@ -201,13 +196,23 @@ def run_pending_backward() -> None:
             registry.update_key(key, "backward")
 
 
-def _check_recipe(recipe) -> Recipe:
+_DEFAULT_RECIPE = DelayedScaling().snapshot()
+
+
+def entry_recipe(recipe, where: str = "autocast") -> Recipe:
+    """The snapshot of `recipe` (None: `DelayedScaling()`) that a scope entered now keys everything on: the recipe's
+    fields as they are at entry (fp8kit.recipe.base). Refuses what is not a recipe, and the recipes fp8kit.pytorch
+    cannot run yet."""
     if recipe is None:
-        return DelayedScaling()
-    if not isinstance(recipe, registered_recipes()):  # the registered families (recipe_families.py)
-        raise TypeError(f"autocast: recipe must be a fp8kit.recipe "
-                        f"{' or '.join(c.__name__ for c in registered_recipes())}, got {recipe!r}")
-    return recipe
+        return _DEFAULT_RECIPE
+    families = registered_recipes()  # the registered families (recipe_families.py)
+    if not isinstance(recipe, families):
+        names = " or ".join(c.__name__ for c in families)
+        if isinstance(recipe, Recipe) and recipe._kind:  # one of fp8kit.recipe's classes, without quantizers yet
+            raise NotImplementedError(f"{where}: {type(recipe).__name__} is not implemented in fp8kit.pytorch yet "
+                                      f"(no quantizers are registered for it); use {names}")
+        raise TypeError(f"{where}: recipe must be a fp8kit.recipe {names}, got {recipe!r}")
+    return recipe.snapshot()
 
 
 @contextlib.contextmanager
@@ -222,7 +227,8 @@ def autocast(
     enabled: False runs modules in high precision.
     calibrating: with enabled=False, compute in high precision but record amaxes and update delayed-scaling
       histories and scales as an FP8 run would.
-    recipe: DelayedScaling (the default when None) or Float8CurrentScaling.
+    recipe: DelayedScaling (the default when None) or Float8CurrentScaling. Its fields are read at entry
+      (`recipe.snapshot()`): assigning to the recipe inside the context acts from the next entry on.
     amax_reduction_group: torch.distributed group over which amaxes are all-reduced (MAX) when the recipe has
       reduce_amax=True; None means the default group once torch.distributed is initialised. Every rank of the group
       must enter and exit the same autocast contexts in the same order (docs/distributed.md).
@@ -236,7 +242,7 @@ def autocast(
     """
     if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
         raise TypeError(f"autocast: enabled and calibrating must be bools, got {enabled!r} and {calibrating!r}")
-    recipe = _check_recipe(recipe)
+    recipe = entry_recipe(recipe)
     stack = _STACK.frames
     if in_backward() or (stack and stack[-1].replay):
         _STACK.frames = stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, _Step(), True),)
@@ -256,6 +262,8 @@ def autocast(
         yield from _traced_autocast(stack, Frame(enabled, calibrating, recipe, amax_reduction_group,
                                                  stack[0].step if stack else _Step()))
         return
+    if not stack:
+        kernels.refresh()  # whether the casts of this step use the Triton kernels (FP8KIT_TRITON read here)
     if not stack and (_PENDING_BACKWARD or PENDING.any) and torch.is_grad_enabled():
         run_pending_backward()
     step = stack[0].step if stack else _Step()
@@ -292,7 +300,7 @@ def graph_capture_autocast(enabled: bool, calibrating: bool, recipe: Optional[Re
                            amax_reduction_group=None) -> Iterator[None]:
     """The autocast a graph is captured under (make_graphed_callables): modules cast and record amaxes as usual,
     but keep no per-step Python state, and its exit updates nothing."""
-    recipe = _check_recipe(recipe)
+    recipe = entry_recipe(recipe)
     stack = _STACK.frames
     step = _Step()
     _STACK.frames = stack + (Frame(enabled, calibrating, recipe, amax_reduction_group, step, graph=True),)

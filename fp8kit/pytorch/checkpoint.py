@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
-from .recompute import reentrant_forward
+from .recompute import checkpoint_region, reentrant_forward
 from .rng import get_rng_state, set_rng_state
 
 __all__ = ["checkpoint"]
@@ -56,11 +56,10 @@ def checkpoint(function: Callable, *args, distribute_saved_activations: bool = F
                       "keeps the inputs through autograd's saved-tensor hooks)", stacklevel=2)
     torch_options = {k: kwargs.pop(k) for k in ("context_fn", "determinism_check", "debug", "preserve_rng_state")
                      if k in kwargs}
-    user_context_fn = torch_options.pop("context_fn", torch_checkpoint.noop_context_fn)
+    context_fn = torch_options.pop("context_fn", torch_checkpoint.noop_context_fn)
     if get_rng_state_tracker is not None:
-        torch_options["context_fn"] = _with_tracker_states(user_context_fn, get_rng_state_tracker)
-    elif user_context_fn is not torch_checkpoint.noop_context_fn:
-        torch_options["context_fn"] = user_context_fn
+        context_fn = _with_tracker_states(context_fn, get_rng_state_tracker)
+    torch_options["context_fn"] = _with_regions(context_fn)
     return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **torch_options, **kwargs)
 
 
@@ -91,6 +90,25 @@ def _with_tracker_states(user_context_fn, get_tracker):
         return forward(), recompute()
 
     return context_fn
+
+
+def _with_regions(user_context_fn):
+    """A `context_fn` that also marks the forward and the recompute (the recompute queries of Transformer Engine)."""
+
+    def context_fn():
+        user_forward, user_recompute = user_context_fn()
+        return _entered(checkpoint_region("forward"), user_forward), \
+            _entered(checkpoint_region("recompute"), user_recompute)
+
+    return context_fn
+
+
+@contextlib.contextmanager
+def _entered(*contexts):
+    with contextlib.ExitStack() as stack:
+        for c in contexts:
+            stack.enter_context(c)
+        yield
 
 
 def _copy_states(states):
@@ -142,7 +160,7 @@ class _ReentrantCheckpoint(torch.autograd.Function):
             ctx.first_shape = tensors[0].shape
             tensors[0] = share
         ctx.save_for_backward(*tensors)
-        with torch.no_grad(), reentrant_forward():
+        with torch.no_grad(), reentrant_forward(), checkpoint_region("forward"):
             return function(*args, **kwargs)
 
     @staticmethod
@@ -185,6 +203,7 @@ def _replay(ctx, args):
     try:
         with contextlib.ExitStack() as stack:
             stack.enter_context(torch.enable_grad())
+            stack.enter_context(checkpoint_region("recompute"))
             for device, enabled, dtype in ctx.autocast:
                 stack.enter_context(torch.autocast(device, dtype=dtype, enabled=enabled))
             return ctx.function(*args, **ctx.kwargs)

@@ -24,12 +24,13 @@ from .dist_rules import (
     label_states,
     state_label,
 )
+from .recompute import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
 from .tensor.storage import Float8TensorStorage
 
 __all__ = ["DistributedRuleError", "RegistrationMismatchError", "apply_pending_updates", "label_states",
            "state_label", "group_ranks", "TensorParallel", "gather_with_grad",
            "all_gather_fp8", "gather_along_first_dim", "reduce_scatter_along_first_dim", "all_reduce_sum",
-           "shard_linear_parameters"]
+           "shard_linear_parameters", "is_fp8_activation_recompute_enabled", "in_fp8_activation_recompute_phase"]
 
 
 def apply_pending_updates() -> None:

@@ -18,7 +18,8 @@ from typing import Iterator, Optional
 
 import torch
 
-from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
+from ..recipe import DelayedScaling, Recipe
+from .autocast import entry_recipe
 from .cast import fp8_dtype_of
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
@@ -56,11 +57,10 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     """
     if not isinstance(enabled, bool):
         raise TypeError(f"quantized_model_init: enabled must be a bool, got {enabled!r}")
-    if recipe is None:
-        recipe = DelayedScaling()
-    if not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise TypeError(f"quantized_model_init: recipe must be a DelayedScaling or Float8CurrentScaling, got "
-                        f"{recipe!r}")
+    recipe = entry_recipe(recipe, "quantized_model_init")  # the fields at entry
+    if not recipe.float8_per_tensor_scaling():  # FP8 weights are per-tensor Float8Tensors today
+        raise NotImplementedError(f"quantized_model_init: FP8 weights under {type(recipe).__name__} are not "
+                                  "implemented; use DelayedScaling or Float8CurrentScaling")
     token = _SETTINGS.set(_Settings(enabled, recipe, bool(preserve_high_precision_init_val)))
     try:
         yield

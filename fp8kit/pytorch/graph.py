@@ -27,7 +27,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ..recipe import DelayedScaling, Recipe
-from .autocast import current_frame, graph_capture_autocast
+from .autocast import current_frame, entry_recipe, graph_capture_autocast
 from .modules.base import FP8StateMixin
 
 __all__ = ["make_graphed_callables", "CPU_BACKEND"]
@@ -100,7 +100,7 @@ def make_graphed_callables(
     if not isinstance(calibrating, bool):
         raise TypeError(f"make_graphed_callables: calibrating must be a bool, got {calibrating!r}")
     if any(enabled) or calibrating:
-        recipe = DelayedScaling() if recipe is None else recipe
+        recipe = entry_recipe(recipe, "make_graphed_callables")  # the fields at capture: replays check them
     for module, args in zip(modules, sample_args):
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"make_graphed_callables: graphing {type(module).__name__} is not supported; pass "

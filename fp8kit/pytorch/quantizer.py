@@ -14,7 +14,7 @@ from typing import Tuple
 import torch
 
 from . import host, kernels
-from .cast import FP8_MAX, amax, cast, cast_host, current_scale, fp8_max_of
+from .cast import FP8_MAX, amax, cast, cast_1d, cast_host, current_scale, current_scale_1d, fp8_max_of
 from .state import ScalingState
 from .tensor.storage import Float8TensorStorage
 
@@ -46,6 +46,12 @@ class DelayedQuantizer:
                                                 scale_inv_out=inv)
             return Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=x.dtype,
                                        data_transpose=data_t)
+        if self.stats is None and x.dim() and not torch.compiler.is_compiling():
+            # eager tensor path: the slot's scale and staging views made once; the amax max-accumulated in place
+            scale, stage = self.state.slot_views(self.slot)
+            torch.fmax(stage, amax(x), out=stage)
+            q = cast_1d(x, scale, self.fp8_dtype)
+            return with_transpose(q) if transpose else q
         a = amax(x)
         self.state.record(self.slot, a)
         scale = self.state.scale[self.slot]
@@ -116,6 +122,10 @@ class CurrentQuantizer:
             if self.stats is not None:
                 self.stats.record(x, q, scale)
             return q
+        if self.stats is None and x.dim() and not torch.compiler.is_compiling():
+            scale = current_scale_1d(x, fp8_max_of(self.fp8_dtype), self.amax_epsilon, self.power_2, self.group)
+            q = cast_1d(x, scale, self.fp8_dtype)
+            return with_transpose(q) if transpose else q
         scale = current_scale(x, fp8_max_of(self.fp8_dtype), self.amax_epsilon, self.power_2, self.group)
         q = cast(x, scale, self.fp8_dtype)
         if self.stats is not None:
@@ -146,6 +156,8 @@ def with_transpose(q: Float8TensorStorage) -> Float8TensorStorage:
 
 def bias_grad(dy: torch.Tensor) -> torch.Tensor:
     """The bias gradient: `dy` summed over its leading dimensions, in dy's dtype."""
+    if dy.dim() == 2:
+        return dy.sum(0)
     n = dy.shape[-1] if dy.dim() else 1
     if n == 0:  # a layer without outputs: reshape(-1, 0) is ambiguous
         return dy.new_zeros(0)

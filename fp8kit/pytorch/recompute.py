@@ -30,8 +30,11 @@ from typing import Deque, Iterator, Optional
 import torch
 import torch.utils.checkpoint as torch_checkpoint
 
+from .frames import fp8_enabled
+
 __all__ = ["in_backward", "in_reentrant_checkpoint", "ForwardRecord", "RecordQueue", "retain_step",
-           "release_step", "reentrant_forward"]
+           "release_step", "reentrant_forward", "checkpoint_region", "is_fp8_activation_recompute_enabled",
+           "in_fp8_activation_recompute_phase"]
 
 MAX_RECORDS = 64  # per module: records beyond this belong to steps whose backward never ran
 MAX_RETAINED_STEPS = 16
@@ -52,13 +55,17 @@ _TORCH_REENTRANT_FORWARD = torch_checkpoint.CheckpointFunction.forward.__code__
 
 
 @contextlib.contextmanager
-def reentrant_forward() -> Iterator[None]:
-    """Mark the original forward of a reentrant checkpoint (fp8kit.pytorch.checkpoint's own)."""
-    token = _REENTRANT.set(True)
+def _set_in_scope(var: contextvars.ContextVar, value) -> Iterator[None]:
+    token = var.set(value)
     try:
         yield
     finally:
-        _REENTRANT.reset(token)
+        var.reset(token)
+
+
+def reentrant_forward():
+    """Mark the original forward of a reentrant checkpoint (fp8kit.pytorch.checkpoint's own)."""
+    return _set_in_scope(_REENTRANT, True)
 
 
 def in_reentrant_checkpoint() -> bool:
@@ -73,6 +80,30 @@ def in_reentrant_checkpoint() -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+# ---- Transformer Engine's recompute queries (te.checkpoint's regions) ---------------------------------------------
+
+_REGION: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("fp8kit_checkpoint_region", default=None)
+
+
+def checkpoint_region(phase: str):
+    """Mark a region of `fp8kit.pytorch.checkpoint`: its first forward ("forward") or its recompute during backward
+    ("recompute")."""
+    return _set_in_scope(_REGION, phase)
+
+
+def is_fp8_activation_recompute_enabled() -> bool:
+    """True inside a region of `fp8kit.pytorch.checkpoint` (its forward or its recompute) while an autocast with
+    enabled=True is in force, as in Transformer Engine. (fp8kit's modules do not need it: they tell a recompute by
+    the running backward, also under torch.utils.checkpoint.)"""
+    return _REGION.get() is not None and fp8_enabled()
+
+
+def in_fp8_activation_recompute_phase() -> bool:
+    """True while `fp8kit.pytorch.checkpoint` runs its region again during backward (the recompute), as in
+    Transformer Engine."""
+    return _REGION.get() == "recompute"
 
 
 # ---- records -----------------------------------------------------------------------------------------------------

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from typing import Deque, Dict, List, Optional, Tuple
 
 from ..recipe import DelayedScaling, Recipe
-from .state import ScalingState, update_states
+from .state import ScalingState
+from .state_block import can_update_whole, place, update_states, whole_block
 
 __all__ = ["KeyStates", "StepNote", "all_keys", "entry", "key_entry", "register", "registry_states", "reduces",
            "reduce_group", "dist_initialized", "update_key"]
@@ -38,6 +39,7 @@ class KeyStates:
         self.steps = 0  # autocast steps that entered this key (the step counter amax reduction compares)
         self.log: Deque[StepNote] = collections.deque(maxlen=4)
         self.local_checks_left = 8  # first local updates that look for conflicting registrations on other ranks
+        self.blocks: Dict[str, object] = {}  # "forward" / "backward" -> the SlotBlock its eager states live in
 
     def live(self, which: str, key) -> List[ScalingState]:
         refs = getattr(self, which)
@@ -60,7 +62,7 @@ class KeyStates:
                 note.aborted = True
 
 
-# The registry: (recipe, group) -> states. Keys compare every recipe field (frozen dataclasses).
+# The registry: (recipe snapshot, group) -> states. Keys compare every recipe field (snapshots are read-only).
 _REGISTRY: Dict[Tuple[Recipe, object], KeyStates] = {}
 
 
@@ -83,8 +85,11 @@ def key_entry(recipe: DelayedScaling, group) -> KeyStates:
     return found
 
 
-def register(recipe: DelayedScaling, group, forward: ScalingState, backward: ScalingState) -> None:
-    """Register a module's states under `(recipe, group)` (moving them from another key if needed)."""
+def register(recipe: DelayedScaling, group, forward: ScalingState, backward: ScalingState,
+             flat: bool = True) -> None:
+    """Register a module's states under `(recipe, group)` (moving them from another key if needed). `flat`: place
+    them into the key's flat buffers (fp8kit.pytorch.state_block); False while torch.compile traces or a graph is
+    captured."""
     key = (recipe, group)
     if forward.key == key and backward.key == key:
         # registered already: no registry lookup, so torch.compile guards on the states, not on the registry
@@ -95,11 +100,15 @@ def register(recipe: DelayedScaling, group, forward: ScalingState, backward: Sca
             state.key = key
             getattr(found, which).append(weakref.ref(state))
             found.version += 1
+            if state._block is not None:  # moving from another key
+                state._block.detach(state)
+            if flat:
+                place(found.blocks, which, state)
 
 
 def registry_states(recipe: Recipe, group=None) -> Tuple[List[ScalingState], List[ScalingState]]:
-    """The live (forward, backward) states registered under `(recipe, group)`."""
-    key = (recipe, group)
+    """The live (forward, backward) states registered under `(recipe, group)` (the recipe's fields as they are now)."""
+    key = (recipe.snapshot(), group)
     found = _REGISTRY.get(key)
     if found is None:
         return [], []
@@ -123,16 +132,24 @@ def reduces(key) -> bool:
     return reduce_group(key[0], key[1]) is not None
 
 
-def update_key(key, which: str, ran=None) -> None:
+def update_key(key, which: str, ran=None, block=None) -> None:
     """The local (not collective) update of `which` ("forward" or "backward") states under `key`: of the states in
-    `ran` (those of the modules that ran in the step; None: every registered one), in registration order."""
+    `ran` (those of the modules that ran in the step; None: every registered one), in registration order. `block`:
+    the key's flat buffer when the states that ran are exactly its states (`state_block.flat_block`)."""
     found = _REGISTRY.get(key)
     if found is None:
+        return
+    recipe = found.recipe
+    fmt = recipe.fp8_format.value
+    fp8_max = fmt.max_fwd if which == "forward" else fmt.max_bwd
+    if block is not None and found.blocks.get(which) is block and can_update_whole(block, recipe):
+        block.update(recipe, fp8_max)  # O(1) in the number of states
+        return
+    if ran is not None and whole_block(ran) is not None and ran[0].key == key:
+        update_states(ran, recipe, fp8_max)  # every state of the key's flat buffer ran: whole-buffer operations
         return
     states = found.live(which, key)
     if ran is not None:
         chosen = {id(s) for s in ran}
         states = [s for s in states if id(s) in chosen]
-    recipe = found.recipe
-    fmt = recipe.fp8_format.value
-    update_states(states, recipe, fmt.max_fwd if which == "forward" else fmt.max_bwd)
+    update_states(states, recipe, fp8_max)

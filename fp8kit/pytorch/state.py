@@ -33,9 +33,11 @@ class ScalingState:
         (fp8kit.pytorch.compiled).
     """
 
-    __slots__ = ("_buffer", "_len", "_scale", "_count", "_views", "key", "compiled", "__weakref__")
+    __slots__ = ("_buffer", "_len", "_scale", "_count", "_views", "_slot_views", "_block", "_start", "key", "compiled",
+                 "__weakref__")
 
     def __init__(self, num_slots: int, length: int, device=None, capacity: int = 0):
+        self._block = None  # the SlotBlock (fp8kit.pytorch.state_block) whose columns the tensors view, or None
         with torch.inference_mode(False):  # state made under inference_mode must stay writable outside it
             self._own(torch.zeros(max(length, capacity), num_slots, dtype=torch.float32, device=device), length)
             self.scale = torch.ones(num_slots, dtype=torch.float32, device=device)
@@ -47,8 +49,10 @@ class ScalingState:
 
     def _own(self, buffer: torch.Tensor, length: int) -> None:
         """Hold `buffer` `[capacity, n]`, of which the first `length` rows are the history."""
+        if self._block is not None and buffer is not self._buffer:
+            self._block.detach(self)
         self._buffer, self._len = buffer, length
-        self._views = None
+        self._views = self._slot_views = None
 
     @property
     def amax_history(self) -> torch.Tensor:
@@ -86,7 +90,14 @@ class ScalingState:
 
     @scale.setter
     def scale(self, value: torch.Tensor) -> None:
-        self._scale, self._views = value, None
+        if self._block is not None:
+            if _fits(value, self._scale):  # keep the block's view: copy the values in
+                self._block.freeze_snapshot()
+                with torch.no_grad():
+                    self._scale.copy_(value)
+                return
+            self._block.detach(self)
+        self._scale, self._views, self._slot_views = value, None, None
 
     @property
     def count(self) -> torch.Tensor:
@@ -94,6 +105,12 @@ class ScalingState:
 
     @count.setter
     def count(self, value: torch.Tensor) -> None:
+        if self._block is not None:
+            if _fits(value, self._count):
+                with torch.no_grad():
+                    self._count.copy_(value)
+                return
+            self._block.detach(self)
         self._count, self._views = value, None
 
     @property
@@ -104,6 +121,17 @@ class ScalingState:
     def update_count(self, value: int) -> None:
         with torch.no_grad():
             self._count.fill_(int(value))
+
+    def slot_views(self, slot: int):
+        """(scale `[1]`, staging value 0-d) of `slot` as views made once (eager tensor path; a compiled graph makes
+        its own, see `amax_history`)."""
+        views = self._slot_views
+        if views is None:
+            views = self._slot_views = {}
+        found = views.get(slot)
+        if found is None:
+            found = views[slot] = (self._scale[slot:slot + 1], self._buffer[0, slot])
+        return found
 
     def host_views(self):
         """(amax_history, scale, count) as NumPy arrays sharing memory with the tensors (CPU states only; the host
@@ -116,9 +144,13 @@ class ScalingState:
     # ---- copies: an independent, unregistered state with the same numbers ----
 
     def __getstate__(self):
+        if self._block is not None:  # views of a flat buffer: copy this state's part only
+            return {"amax_history": self.amax_history.clone(), "scale": self._scale.clone(),
+                    "count": self._count.clone()}
         return {"amax_history": self.amax_history, "scale": self._scale, "count": self._count}
 
     def __setstate__(self, state) -> None:
+        self._block = self._buffer = None
         self._own(state["amax_history"], state["amax_history"].shape[0])
         self.scale = state["scale"]
         self.count = state.get("count", torch.zeros((), dtype=torch.int64, device=self._buffer.device))
@@ -127,6 +159,7 @@ class ScalingState:
 
     def __deepcopy__(self, memo):
         copy = ScalingState.__new__(ScalingState)
+        copy._block = copy._buffer = None
         copy.__setstate__({"amax_history": self._buffer.clone(), "scale": self._scale.clone(),
                            "count": self._count.clone()})
         copy._own(copy._buffer, self.history_len)
@@ -151,6 +184,8 @@ class ScalingState:
     def to_(self, device: torch.device) -> None:
         """Move the tensors to `device` (a state on the meta device starts fresh there: zeros, scale 1)."""
         length = self.history_len
+        if self._block is not None:
+            self._block.detach(self)
         if self._buffer.is_meta:
             with torch.inference_mode(False):
                 self._own(torch.zeros(self._buffer.shape, dtype=torch.float32, device=device), length)
@@ -183,6 +218,11 @@ class ScalingState:
 
     def __repr__(self) -> str:
         return f"ScalingState(slots={self.num_slots}, history_len={self.history_len})"
+
+
+def _fits(value: torch.Tensor, current: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.shape == current.shape and value.dtype == current.dtype \
+        and value.device == current.device and not torch.compiler.is_compiling()
 
 
 def resized_history(history: torch.Tensor, length: int) -> torch.Tensor:
@@ -309,7 +349,13 @@ def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: f
         host.update_states(states, recipe, fp8_max)
     elif not recipe.uses_callables and recipe.interval == 1 and kernels.enabled() and kernels.available(device):
         used = torch.stack([(s.amax_history[0] != 0).any() for s in states])  # before the kernel rolls row 0
-        kernels.update_tensors([s.amax_history for s in states], [s.scale for s in states], recipe, fp8_max)
+        # the kernel takes contiguous histories: views of a flat buffer (state_block) go through a copy
+        histories = [s.amax_history for s in states]
+        work = [h if h.is_contiguous() else h.contiguous() for h in histories]
+        kernels.update_tensors(work, [s.scale for s in states], recipe, fp8_max)
+        for h, w in zip(histories, work):
+            if w is not h:
+                h.copy_(w)
         torch._foreach_add_([s.count for s in states], list(used.long().unbind()))
     else:
         _update_with_tensors(states, recipe, fp8_max)

@@ -36,6 +36,9 @@ class TransformerEngineBase(nn.Module):
 
 
 def _check_recipe(recipe: Optional[Recipe]) -> None:
+    if isinstance(recipe, Recipe) and not recipe.float8_per_tensor_scaling() and recipe._kind:
+        raise NotImplementedError(f"quantization_recipe: {type(recipe).__name__} is not implemented in fp8kit.jax "
+                                  "yet; use DelayedScaling or Float8CurrentScaling")
     if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
         raise ValueError(f"quantization_recipe: expected None, DelayedScaling or Float8CurrentScaling, got "
                          f"{type(recipe).__name__}")

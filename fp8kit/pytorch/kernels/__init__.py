@@ -31,8 +31,9 @@ from .launch import Launch, observe_launches
 from .loader import _TRUE, interpreter_on, kernel_module
 from .update_ops import update, update_tensors
 
-__all__ = ["enabled", "set_enabled", "available", "use_for", "interpreter_on", "kernel_module", "cast_amax", "cast",
-           "cast_transpose_amax", "cast_transpose_dbias", "amax", "current_cast", "current_cast_transpose_dbias",
+__all__ = ["enabled", "set_enabled", "refresh", "available", "use_for", "interpreter_on", "kernel_module",
+           "cast_amax", "cast", "cast_transpose_amax", "cast_transpose_dbias", "amax", "current_cast",
+           "current_cast_transpose_dbias",
            "update", "update_tensors", "observe_launches", "Launch"]
 
 _enabled: Optional[bool] = None  # None: follow FP8KIT_TRITON
@@ -52,13 +53,23 @@ def set_enabled(flag: Optional[bool]) -> None:
     """Turn the kernels on (True) or off (False); None goes back to reading `FP8KIT_TRITON`."""
     global _enabled
     _enabled = None if flag is None else bool(flag)
+    refresh()
 
 
 def use_for(x: torch.Tensor) -> bool:
     """Whether the quantizers should cast `x` with the kernels: enabled, available on its device, and a
-    contiguous tensor of a supported dtype."""
-    return enabled() and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous() \
+    contiguous tensor of a supported dtype. `enabled()` as of the last `refresh()` (the outermost autocast entry
+    calls it), so that a cast reads no environment variable."""
+    return _enabled_now[0] and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous() \
         and available(x.device)
+
+
+_enabled_now = [False]  # enabled() when refresh() ran last
+
+
+def refresh() -> None:
+    """Take `enabled()` now for the casts of the coming step (`use_for`)."""
+    _enabled_now[0] = enabled()
 
 
 def _triton_importable() -> bool:
@@ -92,3 +103,6 @@ def available(device) -> bool:
     if device.type == "cpu":
         return interpreter_on() and _triton_importable()
     return False
+
+
+refresh()

@@ -9,7 +9,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from ...recipe import DelayedScaling
+from ...recipe import DelayedScaling, Float8CurrentScaling
 from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
 from ..compiled import compiling, note_compiled_call
@@ -23,6 +23,19 @@ from ..te_checkpoint import accept_extra_state, with_te_extra_state
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 STATE_CAPACITY = DelayedScaling.amax_history_len  # history rows allocated up front (the default recipe's length)
+
+
+_KEPT_QUANTIZERS = (DelayedScaling, Float8CurrentScaling)  # recipes whose quantizers a module keeps between calls
+
+
+class _CallCache(dict):
+    """What a module's calls decided, kept between calls; a copy of the module starts without it."""
+
+    def __deepcopy__(self, memo):
+        return _CallCache()
+
+    def __reduce__(self):
+        return _CallCache, ()
 
 
 class FP8Call:
@@ -55,8 +68,27 @@ class FP8Call:
 
     def quantizers(self, gemm: int = 0):
         """(input, weight, grad_output) quantizers of GEMM `gemm` of the module, from the recipe's family
-        (fp8kit.pytorch.recipe_families: the one place that knows the recipe types)."""
-        return recipe_family(type(self.frame.recipe)).quantizers(self, gemm)
+        (fp8kit.pytorch.recipe_families: the one place that knows the recipe types). Per-tensor recipes' quantizers
+        hold no per-call state: they are made once per (recipe, GEMM, states, reduction groups) and kept by the
+        module for its eager calls (a steady-state call makes none)."""
+        recipe = self.frame.recipe
+        family = recipe_family(type(recipe))
+        module = self.module
+        if self.replay or compiling() or type(recipe) not in _KEPT_QUANTIZERS \
+                or getattr(module, "fp8_stats", None) is not None:
+            return family.quantizers(self, gemm)
+        states = self._states
+        groups = None if states is not None else module.current_scaling_groups(gemm)
+        cache = module.__dict__.get("_fp8_quantizers")
+        if cache is None:
+            cache = module.__dict__["_fp8_quantizers"] = _CallCache()
+        key = (recipe, gemm, states, groups)
+        found = cache.get(key)
+        if found is None:
+            if len(cache) >= 8:
+                cache.clear()
+            found = cache[key] = family.quantizers(self, gemm)
+        return found
 
     def count_gemm_backwards(self, gemms: int) -> None:
         """Say that this call's backward runs `gemms` GEMM backwards which each report to the step when they are done
@@ -171,6 +203,9 @@ class FP8StateMixin:
                 note_compiled_call(frame, states, counted)
         if frame.graph and not compiling():
             frame.step.graph_calls.append((self, counted))
+            for state in states or ():
+                if state._block is not None:  # a captured graph holds the addresses: the buffer never moves again
+                    state._block.pinned = True
         if getattr(self, "fp8_stats", None) is not None:
             raise NotImplementedError(
                 f"fp8kit: {type(self).__name__} has numerics statistics on (enable_stats), which count casts in "
@@ -242,6 +277,12 @@ class FP8StateMixin:
             if state is None:
                 continue
             base = f"{prefix}fp8_meta.{name}."
+            if state._block is not None:  # views of a flat buffer (state_block): tensors of their own, as savers
+                # (safetensors, Hugging Face) expect; load_state_dict copies into the state either way
+                destination[base + "amax_history"] = state.amax_history.clone()
+                destination[base + "scale"] = state.scale.clone()
+                destination[base + "update_count"] = state.count.clone()
+                continue
             destination[base + "amax_history"] = state.amax_history
             destination[base + "scale"] = state.scale
             destination[base + "update_count"] = state.count if keep_vars else state.count.detach()
@@ -296,4 +337,7 @@ def _scale_snapshot(states):
     scale = states[0].scale
     if host.active(scale.device):
         return states[0].host_views()[1].tolist()  # Python floats: the host path casts with floats
+    block = states[0]._block
+    if block is not None:  # no copy now: the block keeps its scales when an update changes them
+        return block.scales_now().of(states[0]._start)
     return scale.detach().clone()  # indexing gives the 0-d scale a tensor-path cast takes

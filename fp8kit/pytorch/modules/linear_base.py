@@ -54,7 +54,7 @@ def linear_call(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Optio
             raise ValueError(f"{where}(sequence_parallel=True): the sequence dimension ({inp.shape[0]}) of the "
                              f"row-parallel GEMM's input must be divisible by the tensor-parallel size {tp.size}")
     leading = inp.shape[:-1]
-    x = inp.reshape(math.prod(leading), in_features)
+    x = inp if inp.dim() == 2 else inp.reshape(math.prod(leading), in_features)
     if autocast_on:  # the operands are cast already; the GEMMs pick their dtypes
         with torch.autocast(x.device.type, enabled=False):
             y = fp8_linear(x, weight, bias, plan)
@@ -63,7 +63,7 @@ def linear_call(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Optio
     if tp is not None and tp.sequence_parallel:
         first = leading[0] * tp.size if tp.mode == "column" else leading[0] // tp.size
         leading = (first,) + tuple(leading[1:])
-    return y.reshape(*leading, y.shape[-1])
+    return y if inp.dim() == 2 and y.shape[0] == leading[0] else y.reshape(*leading, y.shape[-1])
 
 
 def track_gemm_backwards(call: FP8Call, plans: Sequence[LinearPlan], operands: List[Sequence]) -> None:
@@ -203,7 +203,7 @@ class LinearBase(FP8StateMixin):
         applied_bias = None if self.return_bias else bias
         # the parameters too: under a reentrant checkpoint's no_grad forward, a split weight (torch.cat) and a
         # LayerNormLinear's norm output do not require grad, yet a recompute with a backward follows
-        call = self.begin_fp8_call((inp, weight, bias, *self.parameters(recurse=False)), weight.device)
+        call = self.begin_fp8_call((inp, weight, bias, *self._parameters.values()), weight.device)
         if call is None:
             plan = None
             if tp is not None or self.fuse_wgrad_accumulation or self.wgrad_store is not None:

@@ -16,6 +16,7 @@ from ..constants import DType, te_dtype
 from ..quantized_tensor import QuantizedTensorStorage
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TE_DTYPE = {dtype: te_dtype(dtype) for dtype in FP8_DTYPES}
 
 __all__ = ["Float8TensorStorage", "FP8_DTYPES", "widen"]
 
@@ -64,11 +65,15 @@ class Float8TensorStorage(QuantizedTensorStorage):
             raise TypeError(
                 f"Float8Tensor fp8_scale_inv must be one float32 element, got {getattr(fp8_scale_inv, 'dtype', None)} "
                 f"of shape {tuple(getattr(fp8_scale_inv, 'shape', ()))}")
+        self._assign(data, fp8_scale_inv if fp8_scale_inv is None or fp8_scale_inv.dim() == 1
+                     else fp8_scale_inv.reshape(1), fake_dtype if fake_dtype is not None else torch.float32,
+                     data_transpose, quantizer, scale_inv_value)
+
+    def _assign(self, data, scale_inv, fake_dtype, data_transpose, quantizer, scale_inv_value) -> None:
         self._data = data
-        self._scale_inv = fp8_scale_inv if fp8_scale_inv is None or fp8_scale_inv.dim() == 1 \
-            else fp8_scale_inv.reshape(1)
-        self._fp8_dtype = te_dtype(data.dtype)
-        self._dtype = fake_dtype if fake_dtype is not None else torch.float32
+        self._scale_inv = scale_inv
+        self._fp8_dtype = _TE_DTYPE[data.dtype]
+        self._dtype = fake_dtype
         self._transpose = data_transpose
         self._quantizer = quantizer
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
@@ -79,6 +84,13 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._transposed_of = None  # the storage this one is the transpose of (shares its `values`), or None
         # `scale_inv` as a Python float when the CPU fast path made it (fp8kit.pytorch.host), else None
         self._scale_inv_value = scale_inv_value
+
+    @classmethod
+    def trusted(cls, data: torch.Tensor, scale_inv: torch.Tensor, fake_dtype: torch.dtype) -> "Float8TensorStorage":
+        """A storage of FP8 `data` and float32 `[1]` `scale_inv` made by fp8kit's own casts (no checks)."""
+        self = cls.__new__(cls)
+        self._assign(data, scale_inv, fake_dtype, None, None, None)
+        return self
 
     # ---- reading ----
 
