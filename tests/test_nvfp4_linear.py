@@ -8,11 +8,9 @@ import torch
 from block_helpers import to_np32
 
 import fp8kit.pytorch as te
+from fp8kit.recipe import NVFP4BlockScaling, QParams
 
 import reference as ref
-
-NVFP4BlockScaling = pytest.importorskip("fp8kit.recipe").__dict__.get("NVFP4BlockScaling")
-pytestmark = pytest.mark.skipif(NVFP4BlockScaling is None, reason="fp8kit.recipe has no NVFP4BlockScaling yet")
 
 
 def _q(x: np.ndarray, two_d=False, rht=False):
@@ -63,8 +61,6 @@ def test_default_recipe_close_to_float64():
 def test_checkpoint_recompute_draws_the_same(use_reentrant):
     """Stochastic rounding in the forward too (QParams on the input): te.checkpoint's recompute restores torch's
     RNG state, so its draws and every gradient equal those of the run without checkpointing."""
-    from fp8kit.recipe import QParams
-
     recipe = NVFP4BlockScaling(fp4_quant_fwd_inp=QParams(random_hadamard_transform=True, stochastic_rounding=True))
     grads = []
     for ckpt in (False, True):
@@ -81,3 +77,17 @@ def test_checkpoint_recompute_draws_the_same(use_reentrant):
     with te.autocast(recipe=recipe):
         y = lin(x)
     assert not torch.equal(y.detach(), grads[0][0])
+
+
+def test_quantized_model_init_refuses_nvfp4_weights():
+    """Quantized NVFP4 weights are not implemented: refused, naming the recipe (autocast accepts the recipe)."""
+    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling"):
+        with te.quantized_model_init(recipe=NVFP4BlockScaling()):
+            pass
+
+
+def test_row_scaled_activation_refused():
+    lin, x, _ = _linear()
+    with pytest.raises(NotImplementedError, match="row_scaled_activation"):
+        with te.autocast(recipe=NVFP4BlockScaling(row_scaled_activation=True)):
+            lin(x)

@@ -186,7 +186,7 @@ def test_repr_is_transformer_engines():
     assert [block.index(p) for p in order] == sorted(block.index(p) for p in order)
 
 
-@pytest.mark.parametrize("cls", list(TE_DEFAULTS))
+@pytest.mark.parametrize("cls", [c for c in TE_DEFAULTS if c is not NVFP4BlockScaling])  # NVFP4: test_nvfp4_linear
 def test_autocast_refuses_them_naming_the_recipe(cls):
     torch = pytest.importorskip("torch")
     import fp8kit.pytorch as te

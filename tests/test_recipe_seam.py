@@ -122,7 +122,7 @@ def test_an_unregistered_recipe_and_mixed_operands_are_refused(unit_family):
         fp8_format: Format = Format.HYBRID
 
     with pytest.raises(TypeError, match="recipe must be a fp8kit.recipe DelayedScaling or Float8CurrentScaling or "
-                                        "UnitScaling, got"):
+                                        "NVFP4BlockScaling or UnitScaling, got"):
         with te.autocast(recipe=Unknown()):
             pass
     with pytest.raises(TypeError, match="no recipe family is registered for Unknown"):

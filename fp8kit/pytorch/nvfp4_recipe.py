@@ -43,7 +43,11 @@ def _quantizers(call, gemm: int):
 
 
 def _plan(plan, recipe, module, call) -> None:
-    """The recipe's backward override (as Float8CurrentScaling's): with one set, the backward GEMMs run unquantized."""
+    """The recipe's backward override (as Float8CurrentScaling's): with one set, the backward GEMMs run unquantized.
+    `row_scaled_activation` (one amax per row) is not implemented: refused."""
+    if recipe.row_scaled_activation:
+        raise NotImplementedError("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4 activations are "
+                                  "not implemented in fp8kit")
     plan.backward_override = recipe.backward_override
     if recipe.backward_override is not None:
         plan.fp8 = (call.fp8[0], False, False)
