@@ -189,3 +189,15 @@ def test_quantize_in_place():
     for name in ("_rowwise_data", "_rowwise_scale_inv", "_columnwise_data", "_columnwise_scale_inv", "_amax_rowwise",
                  "_amax_columnwise"):
         assert torch.equal(getattr(t, name), getattr(fresh, name)), name
+
+
+def test_block_whose_scale_rounds_to_zero():
+    """A block far below the tensor amax: its E4M3 scale is 0, so f is float32's max and its non-zero values
+    saturate to +-6 (codes 7 / 15); they dequantize to 0. TE's rule, checked against the reference."""
+    x = torch.zeros(16, 32)
+    x[0, 0], x[:, 16:] = 1e6, 1e-3
+    x[1, 16:] = -1e-3
+    q = check(x)
+    assert (q._rowwise_scale_inv[:16, 1] == 0).all()
+    assert (q._rowwise_data[0, 8:] == 0x77).all() and (q._rowwise_data[1, 8:] == 0xFF).all()
+    assert (q.dequantize()[:, 16:] == 0).all()
