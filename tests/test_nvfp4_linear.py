@@ -79,13 +79,6 @@ def test_checkpoint_recompute_draws_the_same(use_reentrant):
     assert not torch.equal(y.detach(), grads[0][0])
 
 
-def test_quantized_model_init_refuses_nvfp4_weights():
-    """Quantized NVFP4 weights are not implemented: refused, naming the recipe (autocast accepts the recipe)."""
-    with pytest.raises(NotImplementedError, match="NVFP4BlockScaling"):
-        with te.quantized_model_init(recipe=NVFP4BlockScaling()):
-            pass
-
-
 def test_row_scaled_activation_refused():
     lin, x, _ = _linear()
     with pytest.raises(NotImplementedError, match="row_scaled_activation"):

@@ -3,8 +3,14 @@
 
 import torch
 
-# fsdp: Float8Tensor's FSDP2 all-gather hooks; nvfp4_recipe: registers the NVFP4 recipe family and GEMM rule
-from . import attention, distributed, fsdp, nvfp4_recipe, optimizers
+from . import (  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+    attention,
+    block_families,  # noqa: F401  (registers the block-scaled recipe families and their GEMM rule)
+    distributed,
+    fsdp,
+    nvfp4_recipe,  # noqa: F401  (registers the NVFP4 recipe family and its GEMM rules)
+    optimizers,
+)
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -19,6 +25,7 @@ from .availability import (
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
+from .cpu_offload import ManualOffloadSynchronizer, get_cpu_offload_context, mark_not_offload
 from .distributed import apply_pending_updates
 from .fp8_weights import fp8_model_init, quantized_model_init
 from .graph import make_graphed_callables
@@ -31,6 +38,14 @@ from .modules import (
     LayerNormMLP,
     Linear,
     RMSNorm,
+)
+from .permutation import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
 )
 from .quantization import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from .quantize_api import quantize
@@ -69,7 +84,7 @@ torch.serialization.add_safe_globals([make_float8_tensor, rebuild_pickled_block_
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",
-           "Float8Tensor", "convert_model", "distributed", "fsdp", "nvfp4_recipe", "optimizers",
+           "Float8Tensor", "convert_model", "distributed", "fsdp", "optimizers",
            "checkpoint", "CudaRNGStatesTracker", "make_graphed_callables", "apply_pending_updates", "DType",
            "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
@@ -84,5 +99,9 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            # Transformer Engine's availability queries (availability.py)
            "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
            "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability",
+           # MoE token routing (permutation.py) and activation offload (cpu_offload.py)
+           "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs",
+           "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer",
            # what a CustomRecipe's quantizer factory receives and returns (quantization.py)
            "QuantizerRole", "QuantizerRequest", "DelayedScalingRequest"]

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from typing import Tuple
 
-from .. import recipe as recipe_module
+from ..recipe import NVFP4BlockScaling
+from .block_families import block_plan
 from .block_recipes import RoleQuantizer
 from .gemm import register_gemm_rule
 from .nvfp4_gemm import nvfp4_gemm_rule
@@ -43,18 +44,14 @@ def _quantizers(call, gemm: int):
 
 
 def _plan(plan, recipe, module, call) -> None:
-    """The recipe's backward override (as Float8CurrentScaling's): with one set, the backward GEMMs run unquantized.
-    `row_scaled_activation` (one amax per row) is not implemented: refused."""
+    """The block families' options (float32 accumulation, `backward_override`); `row_scaled_activation` (one amax
+    per row) is not implemented: refused."""
     if recipe.row_scaled_activation:
         raise NotImplementedError("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4 activations are "
                                   "not implemented in fp8kit")
-    plan.backward_override = recipe.backward_override
-    if recipe.backward_override is not None:
-        plan.fp8 = (call.fp8[0], False, False)
+    block_plan(plan, recipe, module, call)
 
 
 register_gemm_rule(NVFP4TensorStorage, nvfp4_gemm_rule)
 register_gemm_rule(TransposedNVFP4Operand, nvfp4_gemm_rule)
-_RECIPE = getattr(recipe_module, "NVFP4BlockScaling", None)  # the recipe class, where fp8kit.recipe defines it
-if _RECIPE is not None:
-    register_recipe_family(_RECIPE, _quantizers, _plan)
+register_recipe_family(NVFP4BlockScaling, _quantizers, _plan)
