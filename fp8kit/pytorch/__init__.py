@@ -8,6 +8,7 @@ from . import (  # fsdp: Float8Tensor's FSDP2 all-gather hooks
     block_families,  # noqa: F401  (registers the block-scaled recipe families and their GEMM rule)
     distributed,
     fsdp,
+    nvfp4_recipe,  # noqa: F401  (registers the NVFP4 recipe family and its GEMM rules)
     optimizers,
 )
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
@@ -69,6 +70,9 @@ from .tensor import (
     MXFP8Quantizer,
     MXFP8Tensor,
     MXFP8TensorStorage,
+    NVFP4Quantizer,
+    NVFP4Tensor,
+    NVFP4TensorStorage,
 )
 from .tensor.block_storage import rebuild_pickled_block_tensor
 from .tensor.float8_tensor import make_float8_tensor
@@ -85,6 +89,7 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
            "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
+           "NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage",
            "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",
            "fp8_model_init",

@@ -110,9 +110,10 @@ def is_fp8_block_scaling_available(return_reason: bool = False) -> Answer:
 
 
 def is_nvfp4_available(return_reason: bool = False) -> Answer:
-    """Always False: NVFP4 is not implemented in fp8kit."""
+    """Always True: fp8kit emulates NVFP4 (`NVFP4BlockScaling`) on every device (Transformer Engine: Blackwell
+    GPUs only)."""
     _check_bool("return_reason", return_reason)
-    return _answer(False, "NVFP4 is not implemented in fp8kit", return_reason)
+    return _answer(True, "", return_reason)
 
 
 def get_default_recipe() -> Recipe:

@@ -11,7 +11,7 @@ from .gemm import register_gemm_rule
 from .recipe_families import register_recipe_family
 from .tensor.block_storage import BlockScaledStorage, TransposedBlockOperand
 
-__all__ = []
+__all__ = ["block_plan"]
 
 
 def _quantizers(call, gemm: int):
@@ -19,7 +19,7 @@ def _quantizers(call, gemm: int):
     return block_quantizers(call.frame.recipe)
 
 
-def _plan(plan, recipe, module, call) -> None:
+def block_plan(plan, recipe, module, call) -> None:
     """Block GEMMs accumulate in float32 (Float8BlockScaling requires the split accumulator, MXFP8 has no choice);
     `backward_override` runs the backward GEMMs in high precision ("high_precision") or on dequantized operands
     ("dequantized"), as for current scaling."""
@@ -29,7 +29,7 @@ def _plan(plan, recipe, module, call) -> None:
         plan.fp8 = (call.fp8[0], False, False)
 
 
-register_recipe_family(MXFP8BlockScaling, _quantizers, _plan)
-register_recipe_family(Float8BlockScaling, _quantizers, _plan)
+register_recipe_family(MXFP8BlockScaling, _quantizers, block_plan)
+register_recipe_family(Float8BlockScaling, _quantizers, block_plan)
 register_gemm_rule(BlockScaledStorage, block_gemm_rule)
 register_gemm_rule(TransposedBlockOperand, block_gemm_rule)
