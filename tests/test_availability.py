@@ -83,9 +83,15 @@ def test_other_devices_and_rocm(fake_cuda, monkeypatch):
     assert not ok and "ROCm" in reason
 
 
-@pytest.mark.parametrize("query, words", [(te.is_mxfp8_available, "MXFP8"),
-                                          (te.is_fp8_block_scaling_available, "block scaling"),
-                                          (te.is_nvfp4_available, "NVFP4")])
+@pytest.mark.parametrize("query", [te.is_mxfp8_available, te.is_fp8_block_scaling_available])
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
+def test_block_recipes_are_emulated_everywhere(fake_cuda, query, capability):
+    assert query() is True and query(return_reason=True) == (True, "")
+    fake_cuda(capability)
+    assert query() is True
+
+
+@pytest.mark.parametrize("query, words", [(te.is_nvfp4_available, "NVFP4")])
 def test_recipes_fp8kit_lacks(fake_cuda, query, words):
     fake_cuda((10, 0))  # where Transformer Engine would say yes
     assert query() is False

@@ -3,7 +3,13 @@
 
 import torch
 
-from . import attention, distributed, fsdp, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+from . import (  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+    attention,
+    block_families,  # noqa: F401  (registers the block-scaled recipe families and their GEMM rule)
+    distributed,
+    fsdp,
+    optimizers,
+)
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -18,6 +24,7 @@ from .availability import (
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
+from .cpu_offload import ManualOffloadSynchronizer, get_cpu_offload_context, mark_not_offload
 from .distributed import apply_pending_updates
 from .fp8_weights import fp8_model_init, quantized_model_init
 from .graph import make_graphed_callables
@@ -30,6 +37,14 @@ from .modules import (
     LayerNormMLP,
     Linear,
     RMSNorm,
+)
+from .permutation import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
 )
 from .quantization import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from .quantize_api import quantize
@@ -79,5 +94,9 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            # Transformer Engine's availability queries (availability.py)
            "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
            "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability",
+           # MoE token routing (permutation.py) and activation offload (cpu_offload.py)
+           "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs",
+           "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer",
            # what a CustomRecipe's quantizer factory receives and returns (quantization.py)
            "QuantizerRole", "QuantizerRequest", "DelayedScalingRequest"]

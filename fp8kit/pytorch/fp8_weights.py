@@ -14,7 +14,8 @@ from __future__ import annotations
 import contextlib
 import contextvars
 from dataclasses import dataclass
-from typing import Iterator, Optional
+from types import MethodType
+from typing import Dict, Iterator, Optional
 
 import torch
 
@@ -24,7 +25,8 @@ from .cast import fp8_dtype_of
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
 __all__ = ["quantized_model_init", "fp8_model_init", "quantized_init_settings", "StateQuantizer",
-           "quantize_weight_parameter"]
+           "quantize_weight_parameter", "parameter_attributes", "restore_parameter_attributes",
+           "renew_weight_quantizers"]
 
 
 @dataclass(frozen=True)
@@ -120,17 +122,50 @@ def quantize_weight_parameter(module, name: str, gemm: int, settings: _Settings)
     setattr(module, name, new)
 
 
+def renew_weight_quantizers(module: torch.nn.Module, state) -> None:
+    """After `state` (a module's forward state) was resized for another `amax_history_len`: give the module's FP8
+    weights bound to it a new quantizer, with Transformer Engine's warning ("Quantizer is being updated"), which
+    TE gives when it rebuilds a module's quantizers for a new history length. fp8kit's quantizers follow the
+    state, so the scales stay right either way."""
+    for p in module.parameters(recurse=False):
+        q = getattr(p, "_quantizer", None)
+        if isinstance(p, Float8Tensor) and isinstance(q, StateQuantizer) and q.state is state:
+            p.update_quantizer(q.copy())
+
+
+def _get_high_precision_init_val(param) -> Optional[torch.Tensor]:
+    return getattr(param, "_high_precision_init_val", None)
+
+
+def _clear_high_precision_init_val(param) -> None:
+    if hasattr(param, "_high_precision_init_val"):
+        del param._high_precision_init_val
+
+
 def _keep_init_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    holder = {"value": value}
+    """Transformer Engine's contract: the value in `param._high_precision_init_val` (on the CPU), read by
+    `param.get_high_precision_init_val()` and dropped by `param.clear_high_precision_init_val()`."""
+    param._high_precision_init_val = value
+    param.get_high_precision_init_val = MethodType(_get_high_precision_init_val, param)
+    param.clear_high_precision_init_val = MethodType(_clear_high_precision_init_val, param)
 
-    def get_high_precision_init_val() -> Optional[torch.Tensor]:
-        return holder["value"]
 
-    def clear_high_precision_init_val() -> None:
-        holder["value"] = None
+def parameter_attributes(module: torch.nn.Module) -> Dict[str, dict]:
+    """The Python attributes of `module`'s own FP8 parameters (what `restore_parameter_attributes` puts back)."""
+    return {name: dict(p.__dict__) for name, p in module._parameters.items() if isinstance(p, Float8Tensor)}
 
-    param.get_high_precision_init_val = get_high_precision_init_val
-    param.clear_high_precision_init_val = clear_high_precision_init_val
+
+def restore_parameter_attributes(module: torch.nn.Module, saved: Dict[str, dict]) -> None:
+    """Give the FP8 parameters the attributes they had before a conversion (`module.cpu()`, `.to()`, `.cuda()`).
+    torch swaps a tensor subclass parameter's contents with the converted tensor's, which has none of the
+    attributes set on the parameter (`get_high_precision_init_val`, tensor-parallel flags, ...)."""
+    for name, attrs in saved.items():
+        p = module._parameters.get(name)
+        if p is None:
+            continue
+        for key, value in attrs.items():
+            if key not in p.__dict__:
+                setattr(p, key, value)
 
 
 def is_fp8_parameter(t) -> bool:

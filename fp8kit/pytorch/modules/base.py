@@ -14,7 +14,8 @@ from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
 from ..compiled import compiling, note_compiled_call
 from ..dist_rules import label_states
-from ..recipe_families import recipe_family
+from ..fp8_weights import parameter_attributes, renew_weight_quantizers, restore_parameter_attributes
+from ..recipe_families import FAMILIES
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
 from ..state_entry import FIELDS as _FIELDS
@@ -38,6 +39,9 @@ class _CallCache(dict):
         return _CallCache, ()
 
 
+_NO_OVERRIDE = (False, False, False)
+
+
 class FP8Call:
     """What one forward call of an FP8 module decided.
 
@@ -55,7 +59,9 @@ class FP8Call:
     def __init__(self, module, frame: Frame, record: Optional[ForwardRecord], replay: bool, track_backward: bool,
                  states):
         self.module, self.frame, self.record, self.replay = module, frame, record, replay
-        self.fp8 = tuple(frame.enabled and not o for o in frame.recipe.override_linear_precision)
+        # recipes without the field (TE's block-scaling ones) run every GEMM in FP8
+        override = getattr(frame.recipe, "override_linear_precision", _NO_OVERRIDE)
+        self.fp8 = tuple(frame.enabled and not o for o in override)
         self.calibrate = not frame.enabled
         self.track_backward = track_backward
         self._states = states
@@ -70,7 +76,7 @@ class FP8Call:
         hold no per-call state: they are made once per (recipe, GEMM, states, reduction groups) and kept by the
         module for its eager calls (a steady-state call makes none)."""
         recipe = self.frame.recipe
-        family = recipe_family(type(recipe))
+        family = FAMILIES[type(recipe)]  # one dict access
         module = self.module
         if self.replay or compiling() or type(recipe) not in _KEPT_QUANTIZERS \
                 or getattr(module, "fp8_stats", None) is not None:
@@ -141,8 +147,11 @@ class FP8StateMixin:
         return state
 
     def _apply(self, fn, recurse=True):
-        """Move the FP8 states with the parameters (`.to()`, `.cuda()`, `to_empty()`); they stay float32."""
+        """Move the FP8 states with the parameters (`.to()`, `.cuda()`, `to_empty()`); they stay float32. FP8
+        parameters keep their Python attributes (`get_high_precision_init_val`, ...)."""
+        attrs = parameter_attributes(self)
         out = super()._apply(fn, recurse)
+        restore_parameter_attributes(self, attrs)
         param = next(self.parameters(recurse=False), None)
         meta = getattr(self, "fp8_meta", None)
         if param is not None and meta is not None:
@@ -251,6 +260,8 @@ class FP8StateMixin:
                     ".to() before compiling, or run one step eagerly first")
             if state.history_len != length:
                 state.resize_(length)
+                if name == "scaling_fwd":
+                    renew_weight_quantizers(self, state)
             if state.scale.device != device:
                 state.to_(device)
         meta["recipe"] = frame.recipe
