@@ -198,8 +198,8 @@ def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dt
     """The CPU GEMM: the FP8 values widened exactly, multiplied with float32 accumulation, scaled by
     `alpha = float32(a.scale_inv * b.scale_inv)` (read on the host: CPU tensors only) and rounded once; one formula
     on every CPU path (host floats or tensors, eager or compiled)."""
-    a_inv = a.scale_inv_value if a.scale_inv_value is not None else float(a.scale_inv)  # one element
-    b_inv = b.scale_inv_value if b.scale_inv_value is not None else float(b.scale_inv)
+    a_inv = a.scale_inv_value if a.scale_inv_value is not None else _cpu_value(a.scale_inv)
+    b_inv = b.scale_inv_value if b.scale_inv_value is not None else _cpu_value(b.scale_inv)
     alpha = host.f32(a_inv * b_inv)  # the float32 product (exact in float64, rounded once)
     m, k = a.shape
     if out_dtype == torch.bfloat16 and alpha != float("inf") and m * k * b.shape[1] >= _BF16_GEMM_MIN_MACS:
@@ -212,6 +212,14 @@ def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dt
     out = torch.addmm(base, a.values(torch.float32), b.values(torch.float32), beta=1 if bias is not None else 0,
                       alpha=alpha)
     return out.to(out_dtype)
+
+
+def _cpu_value(t: torch.Tensor) -> float:
+    """The one element of a CPU tensor as a Python float, read from memory (`tolist` dispatches no operation)."""
+    value = t.tolist()
+    while isinstance(value, list):
+        value = value[0]
+    return value
 
 
 @torch.library.custom_op("fp8kit::emulated_mm", mutates_args=())
