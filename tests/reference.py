@@ -295,3 +295,97 @@ def block_gemm(qa: np.ndarray, sa: np.ndarray, qb: np.ndarray, sb: np.ndarray, b
         else:
             y = fma_f32(p * a_s, b_s, y)
     return y
+
+
+# ---- NVFP4 (docs/numerics.md, "NVFP4"): E2M1 values through ml_dtypes.float4_e2m1fn, E4M3 block scales through
+# ml_dtypes.float8_e4m3fn, float32 arithmetic in NumPy. Packed: element 2i in the low nibble of byte i.
+
+F32_MAX = np.float32(np.finfo(np.float32).max)
+NVFP4_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
+
+
+def nvfp4_global_scale(amax_value) -> np.float32:
+    """float32(2688 / amax); float32 max for an overflow; 1 for amax 0 or a zero quotient."""
+    a = np.float32(amax_value)
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        s = np.float32(2688.0) / a
+    if np.isnan(s) or s > F32_MAX:
+        s = F32_MAX
+    return np.float32(1.0) if (a == 0 or s == 0) else np.float32(s)
+
+
+def nvfp4_quantize(x: np.ndarray, two_d: bool = False, rand: Optional[np.ndarray] = None) -> tuple:
+    """(packed bytes (M, K/2), E4M3 scale bytes (M, K/16), amax float32) of the 2-D `x` (its values as float32).
+    `rand` (uniform [0, 1) of x's shape): stochastic rounding, up when rand < (|v| - lo) / (hi - lo)."""
+    x = np.asarray(x, dtype=np.float32)
+    m, k = x.shape
+    a = np.float32(amax(x)) if x.size else np.float32(0)
+    s_enc = nvfp4_global_scale(a)
+    s_dec = np.float32(1.0) / s_enc
+    ax = np.where(np.isnan(x), np.float32(0), np.abs(x))
+    if two_d:
+        bmax = ax.reshape(m // 16, 16, k // 16, 16).max(axis=(1, 3)).repeat(16, axis=0)
+    else:
+        bmax = ax.reshape(m, k // 16, 16).max(axis=2)
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        dec = np.minimum(bmax * (s_enc * np.float32(1.0 / 6.0)), np.float32(448.0))
+        dec8 = dec.astype(ml_dtypes.float8_e4m3fn)
+        f = np.float32(1.0) / (dec8.astype(np.float32) * s_dec)
+    f = np.where(f > F32_MAX, F32_MAX, f).astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):  # inf * f and 0 * max
+        v = np.clip(x.reshape(m, k // 16, 16) * f[:, :, None], np.float32(-6), np.float32(6)).reshape(m, k)
+    if rand is None:
+        codes = v.astype(ml_dtypes.float4_e2m1fn).view(np.uint8)
+    else:
+        grid = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=np.float32)
+        mag = np.abs(v)
+        lo = np.searchsorted(grid, mag, side="right") - 1
+        hi = np.minimum(lo + 1, 7)
+        step = np.where(hi > lo, grid[hi] - grid[np.clip(lo, 0, 7)], np.float32(1))
+        up = (hi > lo) & (rand < (mag - grid[np.clip(lo, 0, 7)]) / step)
+        codes = (np.clip(lo, 0, 7) + up).astype(np.uint8) | (np.signbit(v).astype(np.uint8) << 3)
+    codes = np.where(np.isnan(v), np.uint8(0), codes).astype(np.uint8)
+    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).astype(np.uint8)
+    return packed, dec8.view(np.uint8), a
+
+
+def nvfp4_values(packed: np.ndarray) -> np.ndarray:
+    """float64 E2M1 values of packed bytes (M, K/2) -> (M, K)."""
+    packed = np.asarray(packed, dtype=np.uint8)
+    codes = np.stack([packed & 0x0F, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return codes.view(ml_dtypes.float4_e2m1fn).astype(np.float64)
+
+
+def rht_matrix64() -> np.ndarray:
+    """diag(signs) @ H16 / 4 in float64, H16 by Sylvester's construction (np.kron)."""
+    h = np.array([[1.0]])
+    for _ in range(4):
+        h = np.kron(np.array([[1.0, 1.0], [1.0, -1.0]]), h)
+    return np.array(NVFP4_SIGNS, dtype=np.float64)[:, None] * h / 4.0
+
+
+def rht_bf16(xt: np.ndarray) -> np.ndarray:
+    """The transform of each 16 values along the last dim, float64 sums rounded to float32, then to bfloat16."""
+    y = np.asarray(xt, np.float64).reshape(-1, 16) @ rht_matrix64()
+    return y.astype(np.float32).astype(ml_dtypes.bfloat16).reshape(np.shape(xt))
+
+
+def nvfp4_gemm(qa: np.ndarray, sa: np.ndarray, amax_a, qb: np.ndarray, sb: np.ndarray, amax_b) -> np.ndarray:
+    """A @ B^T from packed NVFP4 operands (rows, K/2) with E4M3 scale bytes (rows, K/16): per 16-wide K block in
+    order, y += (sa * sb) * P (float32; P the exact block dot product), then alpha * y with alpha =
+    float32(amax_a * amax_b) / (36 * 448 * 448)."""
+    va, vb = nvfp4_values(qa), nvfp4_values(qb)
+    fa = np.asarray(sa, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    fb = np.asarray(sb, np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    y = np.zeros((va.shape[0], vb.shape[0]), dtype=np.float32)
+    for j in range(va.shape[1] // 16):
+        blk = slice(16 * j, 16 * (j + 1))
+        p = (va[:, blk] @ vb[:, blk].T).astype(np.float32)
+        y = y + np.outer(fa[:, j], fb[:, j]).astype(np.float32) * p
+    alpha = np.float32(np.float32(amax_a) * np.float32(amax_b)) / np.float32(6.0 * 6.0 * 448.0 * 448.0)
+    return (alpha * y).astype(np.float32)
+
+
+def bf16_of(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (ml_dtypes, nearest even)."""
+    return np.asarray(x, np.float32).astype(ml_dtypes.bfloat16)

@@ -83,14 +83,12 @@ def test_other_devices_and_rocm(fake_cuda, monkeypatch):
     assert not ok and "ROCm" in reason
 
 
-@pytest.mark.parametrize("query, words", [(te.is_mxfp8_available, "MXFP8"),
-                                          (te.is_fp8_block_scaling_available, "block scaling"),
-                                          (te.is_nvfp4_available, "NVFP4")])
-def test_recipes_fp8kit_lacks(fake_cuda, query, words):
-    fake_cuda((10, 0))  # where Transformer Engine would say yes
-    assert query() is False
-    ok, reason = query(return_reason=True)
-    assert ok is False and words in reason and "not implemented in fp8kit" in reason
+@pytest.mark.parametrize("query", [te.is_mxfp8_available, te.is_fp8_block_scaling_available, te.is_nvfp4_available])
+@pytest.mark.parametrize("capability", [(8, 0), (10, 0)])
+def test_block_recipes_are_emulated_everywhere(fake_cuda, query, capability):
+    assert query() is True and query(return_reason=True) == (True, "")
+    fake_cuda(capability)
+    assert query() is True
 
 
 def test_default_recipe_is_what_autocast_uses():

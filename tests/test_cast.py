@@ -59,7 +59,7 @@ def all_fp16() -> torch.Tensor:
 def test_every_bf16_pattern(fmt, scale):
     x = all_bf16()
     q = quantize(x, FORMATS[fmt], scale)
-    assert q._data.dtype == FORMATS[fmt] and q.dtype == torch.bfloat16
+    assert q._data.dtype == torch.uint8 and q.fp8_dtype == FORMATS[fmt] and q.dtype == torch.bfloat16
     assert_same_as_reference(x.float().numpy(), q, fmt, scale)
 
 

@@ -132,7 +132,7 @@ def test_fused_step_makes_one_pass_per_operand(on_meta, recipe_name, use_kernels
     def step():  # docs/kernels.md, "How Linear calls them"
         x8, w8 = q_x.quantize(x, transpose=True), q_w.quantize(w, transpose=True)
         y = gemm(x8, w8.transposed(), x.dtype, b, use_fast_accum=True)  # fprop  y  = x @ W.T + b
-        x_saved, w_saved = x8._transpose.t(), w8._transpose.t()  # what the forward saves: views of the transposes
+        x_saved, w_saved = x8.transpose_view().t(), w8.transpose_view().t()  # saved: transpose views
         dy8, db = q_dy.quantize_dbias(dy)
         dx = gemm(dy8, Float8TensorStorage(data=w_saved, fp8_scale_inv=w8.scale_inv), x.dtype)  # dgrad  dx = dy @ W
         # wgrad  dW = dy.T @ x

@@ -3,6 +3,7 @@ both recipes, optimizer steps, checkpoints that load with weights_only and resum
 
 import copy
 import io
+import warnings
 
 import numpy as np
 import pytest
@@ -18,7 +19,8 @@ RECIPES = [DelayedScaling(amax_history_len=4), Float8CurrentScaling()]
 
 
 def weight_bytes(p) -> np.ndarray:
-    return p._data.contiguous().view(torch.uint8).numpy()
+    assert p._data.dtype == torch.uint8  # Transformer Engine's layout: the bytes, `_fp8_dtype` names the format
+    return p._data.contiguous().numpy()
 
 
 @pytest.mark.parametrize("recipe", RECIPES)
@@ -143,8 +145,13 @@ def test_preserve_high_precision_init_val_and_errors():
     torch.manual_seed(5)
     plain = te.Linear(16, 16)
     assert torch.equal(m.weight.get_high_precision_init_val(), plain.weight.detach())
+    assert m.weight._high_precision_init_val.device.type == "cpu"  # Transformer Engine's attribute
+    seq = torch.nn.Sequential(m)
+    for move in (lambda: seq.cpu(), lambda: seq.to("cpu"), lambda: seq.to(torch.device("cpu"))):
+        move()  # torch swaps a subclass parameter's contents; its attributes stay
+        assert torch.equal(m.weight.get_high_precision_init_val(), plain.weight.detach())
     m.weight.clear_high_precision_init_val()
-    assert m.weight.get_high_precision_init_val() is None
+    assert m.weight.get_high_precision_init_val() is None and not hasattr(m.weight, "_high_precision_init_val")
     with te.quantized_model_init(enabled=False):
         assert not isinstance(te.Linear(16, 16).weight, te.Float8Tensor)
     with pytest.raises(ValueError, match="parameters_split"):
@@ -155,6 +162,34 @@ def test_preserve_high_precision_init_val_and_errors():
     with pytest.raises(TypeError, match="FP8 weight holds"):
         with te.autocast(recipe=DelayedScaling()):
             e5(torch.randn(2, 16))
+
+
+@pytest.mark.parametrize("kind", ["Linear", "LayerNormMLP", "GroupedLinear"])
+def test_quantizer_is_being_updated_warning_on_a_new_history_length(kind):
+    """Transformer Engine warns when a module's FP8 weights get new quantizers because the autocast recipe's
+    amax_history_len differs from the one they were made with; fp8kit warns alike, once, and keeps the weights'
+    scales bound to the module's (resized) forward state."""
+    with te.quantized_model_init(recipe=DelayedScaling(amax_history_len=1024)):
+        m = te.GroupedLinear(1, 32, 32) if kind == "GroupedLinear" else getattr(te, kind)(32, 32)
+    x = torch.randn(8, 32)
+    args = (x, [8]) if kind == "GroupedLinear" else (x,)
+    recipe = DelayedScaling(amax_history_len=1)
+    with pytest.warns(UserWarning, match="Quantizer is being updated, this may affect model behavior"):
+        with te.autocast(recipe=recipe):
+            m(*args).sum().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with te.autocast(recipe=recipe):
+            m(*args)
+    state = m.fp8_meta["scaling_fwd"]
+    for p in m.parameters():
+        if isinstance(p, te.Float8Tensor):
+            assert p._quantizer.state is state and state.history_len == 1
+    w = next(p for p in m.parameters() if isinstance(p, te.Float8Tensor))
+    w.update_quantizer(w._quantizer)  # the same quantizer: no warning
+    w._quantizer = None
+    with pytest.raises(RuntimeError, match="no quantizer"):
+        w.update_quantizer(None)
 
 
 @pytest.mark.parametrize("move", ["cpu", "float", "to_empty"])

@@ -30,7 +30,8 @@ def _fp8(rows=6, cols=8, scale=4.0):
 
 
 def _bytes(t):
-    return t._data.contiguous().view(torch.uint8)
+    assert t._data.dtype == torch.uint8  # Transformer Engine's layout
+    return t._data.contiguous()
 
 
 def test_sharding_operations_keep_the_fp8_bytes():
@@ -54,7 +55,8 @@ def test_sharding_operations_keep_the_fp8_bytes():
     assert isinstance(weight, te.Float8Tensor) and torch.equal(_bytes(weight), _bytes(q))
     assert torch.equal(weight.dequantize(), q.dequantize())
     for fresh in (q.new_empty((2, 3)), torch.empty_like(q)):
-        assert isinstance(fresh, te.Float8Tensor) and fresh._data.dtype == torch.float8_e4m3fn
+        assert isinstance(fresh, te.Float8Tensor) and fresh._data.dtype == torch.uint8 \
+            and fresh.fp8_dtype == torch.float8_e4m3fn
     # another nominal dtype: the operation runs on values and returns a plain tensor
     other = q.new_zeros((2, 2), dtype=torch.float32)
     assert not isinstance(other, te.Float8Tensor) and other.dtype == torch.float32

@@ -41,7 +41,7 @@ def _reference(a: Float8TensorStorage, b: Float8TensorStorage, bias, out_dtype):
 
 
 def _with_transpose(q: Float8TensorStorage) -> Float8TensorStorage:
-    return _st(q._data, q.scale_inv, q.dtype, data_t=q._data.t().contiguous())
+    return _st(q.fp8_view(), q.scale_inv, q.dtype, data_t=q.fp8_view().t().contiguous())
 
 
 @pytest.mark.parametrize("k,n", [(32, 48), (20, 40), (64, 17)])  # aligned; K and N padded; N padded
@@ -56,8 +56,8 @@ def test_scaled_mm_values(k, n, bias_dtype, out_dtype, layout):
     if layout == "data_t":  # b from its transposed bytes (as W for dgrad, x for wgrad)
         b = _with_transpose(b)
     elif layout == "transposed_views":  # a = dy.t() and b = W.t() as the fprop/wgrad operands are made
-        a = _with_transpose(_st(a._data.t().contiguous(), a.scale_inv, a.dtype)).transposed()
-        b = _st(b._data.t().contiguous(), b.scale_inv, b.dtype).transposed()
+        a = _with_transpose(_st(a.fp8_view().t().contiguous(), a.scale_inv, a.dtype)).transposed()
+        b = _st(b.fp8_view().t().contiguous(), b.scale_inv, b.dtype).transposed()
     out = scaled_mm(a, b, out_dtype, bias)
     assert out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous()
     assert torch.equal(out, want)
@@ -80,7 +80,7 @@ def test_widened_gemm_values(out_dtype):
     a, b = _fp8((24, 40), E5M2, 3, 0.25), _fp8((40, 18), E5M2, 4, 8.0)
     bias = (torch.randint(-8, 9, (18,)) / 8).to(out_dtype)
     want = _reference(a, b, bias, out_dtype)
-    out = widened_gemm(a, _st(b._data.t().contiguous(), b.scale_inv, b.dtype).transposed(), out_dtype, bias)
+    out = widened_gemm(a, _st(b.fp8_view().t().contiguous(), b.scale_inv, b.dtype).transposed(), out_dtype, bias)
     assert out.dtype == out_dtype and torch.equal(out, want)
 
 

@@ -39,7 +39,8 @@ def values(p) -> torch.Tensor:
 
 
 def fp8_bytes(p) -> np.ndarray:
-    return p._data.contiguous().view(torch.uint8).numpy()
+    assert p._data.dtype == torch.uint8 and p._fp8_dtype == te.DType.kFloat8E4M3  # Transformer Engine's layout
+    return p._data.contiguous().numpy()
 
 
 def expected_fp8(p, master: torch.Tensor, recipe) -> np.ndarray:

@@ -4,7 +4,6 @@ hand-built pickles)."""
 
 import pickle
 import pickletools
-import warnings
 
 import numpy as np
 import pytest
@@ -210,32 +209,3 @@ def test_delayed_wgrad_refuses_the_implicit_fallback_with_a_bias(bias):
     else:
         layer.backward_dw()
         assert layer.weight0.grad is not None and layer.weight1.grad is not None
-
-
-# ---- the weight-quantizer warning of a recipe change ------------------------------------------------------------
-
-
-@pytest.mark.parametrize("cls, n_weights", [(te.Linear, 1), (te.LayerNormMLP, 2)])
-def test_history_length_change_warns_per_fp8_weight(cls, n_weights):
-    with te.quantized_model_init(recipe=DelayedScaling(amax_history_len=16)):
-        layer = cls(32, 32)
-    x = torch.randn(32, 32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        with te.autocast(recipe=DelayedScaling(amax_history_len=16)):
-            layer(x)  # same length: the weights' quantizers are unchanged
-        assert not caught
-        with te.autocast(recipe=DelayedScaling(amax_history_len=4)):
-            layer(x)
-    msgs = [str(w.message) for w in caught if "Quantizer is being updated" in str(w.message)]
-    assert len(msgs) == n_weights and all("4 rows" in m for m in msgs)
-    assert layer.fp8_meta["scaling_fwd"].history_len == 4
-
-
-def test_plain_weights_do_not_warn():
-    layer = te.Linear(32, 32)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        for length in (16, 4):
-            with te.autocast(recipe=DelayedScaling(amax_history_len=length)):
-                layer(torch.randn(32, 32))

@@ -13,6 +13,7 @@ from .dense import dense
 from .layernorm_dense import layernorm_dense
 from .layernorm_mlp import layernorm_mlp
 from .optimizer import wrap_optimizer
+from .scaling_modes import ScalingMode
 from .sharding import MeshResource
 from .state import FP8_COLLECTION
 from .training import (
@@ -29,6 +30,7 @@ __all__ = [
     "NVTE_FP8_COLLECTION_NAME",
     "Float8Array",
     "MeshResource",
+    "ScalingMode",
     "accumulate_grads",
     "activation",
     "autocast",
@@ -50,3 +52,6 @@ __all__ = [
     "upgrade_fp8_metas",
     "wrap_optimizer",
 ]
+
+# `te.quantize.ScalingMode` (Transformer Engine JAX's module path) works as well as `te.ScalingMode`
+quantize.ScalingMode = ScalingMode

@@ -16,8 +16,10 @@ from jax import lax
 
 from ..recipe import DelayedScaling, Float8CurrentScaling
 from . import context as _ac
+from .block_dense import block_config, block_dense
 from .cast import F32, fp8_dtype_of
 from .gemm import GemmConfig, HeadConfig, fp8_gemm, head
+from .scaling_modes import block_kind
 from .sharding import with_sharding_constraint_by_logical_axes
 from .state import COUNT, GRAD_COUNT, TENSORS
 
@@ -164,7 +166,8 @@ def dense(
     Inside an enabled `autocast` the GEMMs run in FP8. Delayed scaling needs `quantizer_set`: this GEMM's state, a
     dict "x_scale", "x_amax_history", "kernel_scale", ..., "grad_amax_history" (["update_count",
     "grad_update_count"]) (`fp8kit.jax.state.init_group(recipe)` makes one); its gradient is the updated state.
-    Current scaling needs none. Outside autocast this is `lax.dot_general(x, kernel.astype(x.dtype), ...,
+    Current scaling and the block recipes (MXFP8BlockScaling, Float8BlockScaling: fp8kit/jax/block_dense.py)
+    need none. Outside autocast this is `lax.dot_general(x, kernel.astype(x.dtype), ...,
     precision=precision)` plus the bias, in x's dtype. `input_axes` / `kernel_axes` / `output_axes` are logical
     axis names for sharding constraints. `transpose_batch_sequence` does not change the result (each row is
     independent); `collective_op_set` must be None (no collective GEMMs).
@@ -195,6 +198,12 @@ def dense(
 
 
 def _fp8_dense(recipe, x2, k2, b2, x_dtype, kernel_dtype, quantizer_set) -> jax.Array:
+    kind = block_kind(recipe)
+    if kind is not None:  # current per-block scales: no state
+        if quantizer_set is not None:
+            raise ValueError(f"dense: {type(recipe).__name__} keeps no scaling state; pass quantizer_set=None")
+        cfg = block_config(recipe, kind, x_dtype, kernel_dtype, None if b2 is None else b2.dtype)
+        return block_dense(cfg, x2, k2, b2)
     fmt = recipe.fp8_format.value
     current = isinstance(recipe, Float8CurrentScaling)
     if current:

@@ -3,7 +3,14 @@
 
 import torch
 
-from . import attention, distributed, fsdp, optimizers  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+from . import (  # fsdp: Float8Tensor's FSDP2 all-gather hooks
+    attention,
+    block_families,  # noqa: F401  (registers the block-scaled recipe families and their GEMM rule)
+    distributed,
+    fsdp,
+    nvfp4_recipe,  # noqa: F401  (registers the NVFP4 recipe family and its GEMM rules)
+    optimizers,
+)
 from .attention import DotProductAttention, InferenceParams, MultiheadAttention, RotaryPositionEmbedding
 from .autocast import autocast, fp8_autocast
 from .availability import (
@@ -18,6 +25,7 @@ from .availability import (
 from .checkpoint import checkpoint
 from .constants import DType
 from .convert import convert_model
+from .cpu_offload import ManualOffloadSynchronizer, get_cpu_offload_context, mark_not_offload
 from .distributed import apply_pending_updates
 from .fp8_weights import fp8_model_init, quantized_model_init
 from .graph import make_graphed_callables
@@ -30,6 +38,14 @@ from .modules import (
     LayerNormMLP,
     Linear,
     RMSNorm,
+)
+from .permutation import (
+    moe_permute,
+    moe_permute_and_pad_with_probs,
+    moe_permute_with_probs,
+    moe_sort_chunks_by_index,
+    moe_sort_chunks_by_index_with_probs,
+    moe_unpermute,
 )
 from .quantization import DelayedScalingRequest, QuantizerRequest, QuantizerRole
 from .quantize_api import quantize
@@ -54,6 +70,9 @@ from .tensor import (
     MXFP8Quantizer,
     MXFP8Tensor,
     MXFP8TensorStorage,
+    NVFP4Quantizer,
+    NVFP4Tensor,
+    NVFP4TensorStorage,
 )
 from .tensor.block_storage import rebuild_pickled_block_tensor
 from .tensor.float8_tensor import make_float8_tensor
@@ -70,6 +89,7 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            "constants", "Float8TensorStorage", "Float8Quantizer",
            "Float8CurrentScalingQuantizer", "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
            "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
+           "NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage",
            "QuantizedTensor", "QuantizedTensorStorage", "Quantizer",
            "prepare_for_saving", "restore_from_saved", "restore_from_func_ctx", "quantized_model_init",
            "fp8_model_init",
@@ -79,5 +99,9 @@ __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNo
            # Transformer Engine's availability queries (availability.py)
            "is_fp8_available", "is_bf16_available", "is_mxfp8_available", "is_fp8_block_scaling_available",
            "is_nvfp4_available", "get_default_recipe", "get_device_compute_capability",
+           # MoE token routing (permutation.py) and activation offload (cpu_offload.py)
+           "moe_permute", "moe_permute_with_probs", "moe_permute_and_pad_with_probs", "moe_unpermute",
+           "moe_sort_chunks_by_index", "moe_sort_chunks_by_index_with_probs",
+           "get_cpu_offload_context", "mark_not_offload", "ManualOffloadSynchronizer",
            # what a CustomRecipe's quantizer factory receives and returns (quantization.py)
            "QuantizerRole", "QuantizerRequest", "DelayedScalingRequest"]

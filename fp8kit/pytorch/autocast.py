@@ -24,6 +24,7 @@ import torch
 
 from ..recipe import DelayedScaling, Recipe
 from . import kernels, registry
+from .amax_reduction import check_local_key, reduced_update
 from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_backward
 from .frames import STACK, current_frame
 from .recipe_families import registered_recipes
@@ -156,8 +157,6 @@ def _update_step(step: _Step) -> None:
             if key not in reduced and key not in step.forward_keys:
                 registry.update_key(key, "forward", flagged_forward(key))
     if registry.dist_initialized():
-        from .amax_reduction import check_local_key, reduced_update
-
         for key in step.entered:
             if key not in reduced:
                 check_local_key(key)
@@ -181,8 +180,6 @@ def run_pending_backward() -> None:
     flush_backward()
     if not _PENDING_BACKWARD:
         return
-    from .amax_reduction import reduced_update
-
     while _PENDING_BACKWARD:
         key = next(iter(_PENDING_BACKWARD))
         seq = _PENDING_BACKWARD.pop(key)

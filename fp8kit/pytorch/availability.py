@@ -13,7 +13,8 @@ What "FP8 available" means in fp8kit:
 - CUDA below 8.9: no. fp8kit's GEMMs on a CUDA tensor call `torch._scaled_mm`, which those GPUs lack, and fp8kit does
   not fall back to emulation for CUDA tensors (move the model to the CPU for emulated FP8).
 - ROCm and other devices: no (fp8kit's device path is written and tested for NVIDIA GPUs only).
-MXFP8, FP8 block scaling and NVFP4 are not implemented in fp8kit, on any device.
+MXFP8 and FP8 block scaling: always; fp8kit emulates their casts and GEMMs with torch operations on any device
+(docs/numerics.md). NVFP4 is not implemented in fp8kit, on any device.
 """
 
 from __future__ import annotations
@@ -95,21 +96,24 @@ def is_bf16_available(return_reason: bool = False, *, device=None) -> Answer:
 
 
 def is_mxfp8_available(return_reason: bool = False) -> Answer:
-    """Always False: the MXFP8 block-scaling recipe is not implemented in fp8kit."""
+    """Always True: fp8kit emulates MXFP8 (`MXFP8BlockScaling`) on any device, with TE's bytes and scales (TE needs
+    a Blackwell GPU)."""
     _check_bool("return_reason", return_reason)
-    return _answer(False, "MXFP8 block scaling is not implemented in fp8kit", return_reason)
+    return _answer(True, "", return_reason)
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False) -> Answer:
-    """Always False: the FP8 block-scaling recipe (`Float8BlockScaling`) is not implemented in fp8kit."""
+    """Always True: fp8kit emulates FP8 block scaling (`Float8BlockScaling`) on any device, with TE's bytes and
+    scales (TE needs a Hopper or newer GPU)."""
     _check_bool("return_reason", return_reason)
-    return _answer(False, "FP8 block scaling is not implemented in fp8kit", return_reason)
+    return _answer(True, "", return_reason)
 
 
 def is_nvfp4_available(return_reason: bool = False) -> Answer:
-    """Always False: NVFP4 is not implemented in fp8kit."""
+    """Always True: fp8kit emulates NVFP4 (`NVFP4BlockScaling`) on every device (Transformer Engine: Blackwell
+    GPUs only)."""
     _check_bool("return_reason", return_reason)
-    return _answer(False, "NVFP4 is not implemented in fp8kit", return_reason)
+    return _answer(True, "", return_reason)
 
 
 def get_default_recipe() -> Recipe:

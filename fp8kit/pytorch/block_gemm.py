@@ -27,7 +27,7 @@ from . import block_cast as bc
 from .tensor.float8_blockwise_tensor import Float8BlockwiseQTensorStorage
 from .tensor.mxfp8_tensor import MXFP8TensorStorage
 
-__all__ = ["BlockOperand", "block_operand", "block_gemm", "fma32"]
+__all__ = ["BlockOperand", "block_operand", "block_gemm", "fma32", "gemm_epilogue"]
 
 _CHUNK_ELEMENTS = 1 << 23  # partial products computed per batch of blocks: at most 64 MiB of float64
 
@@ -151,13 +151,19 @@ def block_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
     # On the CPU a host read is free: power-of-two scales in range take plain float32 adds, the same numbers.
     # Elsewhere, no host synchronisation: always the emulated fused multiply-add.
     fast = A.values.device.type == "cpu" and not torch.compiler.is_compiling() and _fast_is_exact(A, B)
-    y = _accumulate(A, B, fast)
+    return gemm_epilogue(_accumulate(A, B, fast), out_dtype, bias, out, accumulate, "block_gemm")
+
+
+def gemm_epilogue(y: torch.Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor], out: Optional[torch.Tensor],
+                  accumulate: bool, where: str) -> torch.Tensor:
+    """The float32 result `y` plus the bias in float32, converted to `out_dtype`; with `accumulate`, `out +
+    result.to(out.dtype)` written into `out`; else written into `out` when given."""
     if bias is not None:
         y = y + bias.float()
     result = y.to(out_dtype)
     if accumulate:
         if out is None:
-            raise ValueError("block_gemm: accumulate=True needs out")
+            raise ValueError(f"{where}: accumulate=True needs out")
         return out.copy_(out + result.to(out.dtype))
     if out is not None:
         return out.copy_(result)

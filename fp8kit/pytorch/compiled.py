@@ -28,7 +28,8 @@ from typing import List, Tuple
 import torch
 
 from ..recipe import DelayedScaling
-from .state import ScalingState
+from .registry import all_keys, entry, reduces, update_key
+from .state import ScalingState, update_states
 
 __all__ = ["compiling", "TracedCalls", "note_compiled_call", "PENDING", "flagged_forward", "flush_backward"]
 
@@ -73,8 +74,6 @@ class TracedCalls:
 
     def update(self) -> None:
         """The updates at the step's exit, as traced tensor operations (see the module docstring)."""
-        from .state import update_states
-
         for key, forward, backward in zip(self.keys, self.forward, self.backward):
             recipe = key[0]
             fmt = recipe.fp8_format.value
@@ -97,8 +96,6 @@ def note_compiled_call(frame, states: Tuple[ScalingState, ScalingState], counted
             "fp8kit: a DelayedScaling recipe with callables (amax_compute_algo / scaling_factor_compute_algo) cannot "
             "run inside torch.compile: fp8kit checks the scales they return on the host before using them. Use "
             "amax_compute_algo='max' or 'most_recent', or keep these modules out of the compiled region")
-    from .registry import reduces
-
     if reduces(frame.key):
         raise NotImplementedError(
             "fp8kit: amax reduction (DelayedScaling(reduce_amax=True) with torch.distributed initialised) cannot run "
@@ -116,8 +113,6 @@ def note_compiled_call(frame, states: Tuple[ScalingState, ScalingState], counted
 
 def flagged_forward(key) -> List[ScalingState]:
     """The forward states under `key` that compiled calls flagged (flags cleared)."""
-    from .registry import entry
-
     found = entry(key)
     if found is None:
         return []
@@ -129,8 +124,6 @@ def flagged_forward(key) -> List[ScalingState]:
 
 def flush_backward() -> None:
     """Update the backward states flagged by compiled calls (the backward amaxes they left pending), locally."""
-    from .registry import all_keys, entry, update_key
-
     if not PENDING.any:
         return
     PENDING.any = False

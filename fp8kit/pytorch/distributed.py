@@ -25,6 +25,7 @@ from .dist_rules import (
     state_label,
 )
 from .recompute import in_fp8_activation_recompute_phase, is_fp8_activation_recompute_enabled
+from .registry import reduce_group
 from .tensor.storage import Float8TensorStorage
 
 __all__ = ["DistributedRuleError", "RegistrationMismatchError", "apply_pending_updates", "label_states",
@@ -104,8 +105,8 @@ def gather_along_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def all_gather_fp8(q: Float8TensorStorage, group) -> Float8TensorStorage:
     """All-gather a Float8Tensor along dim 0 as FP8 bytes (uint8 on the wire). Every rank must have cast with the
     same scale; the result carries this rank's `scale_inv`."""
-    data = gather_along_first_dim(q._data.contiguous().view(torch.uint8), group)
-    return Float8TensorStorage(data=data.view(q.fp8_dtype), fp8_scale_inv=q._scale_inv, fake_dtype=q.dtype,
+    data = gather_along_first_dim(q._data.contiguous(), group)
+    return Float8TensorStorage(data=data, fp8_scale_inv=q._scale_inv, fp8_dtype=q._fp8_dtype, fake_dtype=q.dtype,
                                scale_inv_value=q.scale_inv_value)
 
 
@@ -155,8 +156,6 @@ _SHARED_SCALES: Dict[Tuple[bool, object, object], bool] = {}
 def check_shared_scales(frame, tp: TensorParallel) -> None:
     """A quantized all-gather under delayed scaling needs every rank of the tensor-parallel group to hold the same
     scale, which amax reduction over a group that contains the tensor-parallel group guarantees."""
-    from .registry import reduce_group
-
     cache_key = (frame.recipe.reduce_amax, frame.group, tp.group)
     ok = _SHARED_SCALES.get(cache_key)
     if ok is None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import types
 from dataclasses import dataclass
-from typing import Iterator, List, Optional, Tuple
+from types import MethodType
+from typing import Dict, Iterator, Optional
 
 import torch
 
@@ -25,7 +25,8 @@ from .cast import fp8_dtype_of
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
 __all__ = ["quantized_model_init", "fp8_model_init", "quantized_init_settings", "StateQuantizer",
-           "quantize_weight_parameter"]
+           "quantize_weight_parameter", "parameter_attributes", "restore_parameter_attributes",
+           "renew_weight_quantizers"]
 
 
 @dataclass(frozen=True)
@@ -121,40 +122,50 @@ def quantize_weight_parameter(module, name: str, gemm: int, settings: _Settings)
     setattr(module, name, new)
 
 
+def renew_weight_quantizers(module: torch.nn.Module, state) -> None:
+    """After `state` (a module's forward state) was resized for another `amax_history_len`: give the module's FP8
+    weights bound to it a new quantizer, with Transformer Engine's warning ("Quantizer is being updated"), which
+    TE gives when it rebuilds a module's quantizers for a new history length. fp8kit's quantizers follow the
+    state, so the scales stay right either way."""
+    for p in module.parameters(recurse=False):
+        q = getattr(p, "_quantizer", None)
+        if isinstance(p, Float8Tensor) and isinstance(q, StateQuantizer) and q.state is state:
+            p.update_quantizer(q.copy())
+
+
 def _get_high_precision_init_val(param) -> Optional[torch.Tensor]:
     return getattr(param, "_high_precision_init_val", None)
 
 
 def _clear_high_precision_init_val(param) -> None:
-    param.__dict__.pop("_high_precision_init_val", None)
+    if hasattr(param, "_high_precision_init_val"):
+        del param._high_precision_init_val
 
 
 def _keep_init_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """Attach Transformer Engine's `_high_precision_init_val` (on the CPU) and its two accessors to `param`, as
-    methods bound to the parameter object (no weak reference: `torch.utils.swap_tensors` refuses tensors that have
-    one), so that they see what `clear_high_precision_init_val` did, also after `module.to()` re-attached them
-    (`reattach_param_attributes`)."""
+    """Transformer Engine's contract: the value in `param._high_precision_init_val` (on the CPU), read by
+    `param.get_high_precision_init_val()` and dropped by `param.clear_high_precision_init_val()`."""
     param._high_precision_init_val = value
-    param.get_high_precision_init_val = types.MethodType(_get_high_precision_init_val, param)
-    param.clear_high_precision_init_val = types.MethodType(_clear_high_precision_init_val, param)
+    param.get_high_precision_init_val = MethodType(_get_high_precision_init_val, param)
+    param.clear_high_precision_init_val = MethodType(_clear_high_precision_init_val, param)
 
 
-def param_attributes(module: torch.nn.Module) -> List[Tuple[torch.Tensor, dict]]:
-    """The Python attributes of each of `module`'s own parameters that are tensor subclasses (FP8 weights), taken
-    before `nn.Module._apply` moves them: `_apply` moves such parameters with `torch.utils.swap_tensors`, which
-    leaves the parameter object with the new tensor's `__dict__`, so attributes attached from outside (the
-    high-precision init value, user tags) would be lost."""
-    return [(p, dict(p.__dict__)) for p in module.parameters(recurse=False) if type(p.data) is not torch.Tensor]
+def parameter_attributes(module: torch.nn.Module) -> Dict[str, dict]:
+    """The Python attributes of `module`'s own FP8 parameters (what `restore_parameter_attributes` puts back)."""
+    return {name: dict(p.__dict__) for name, p in module._parameters.items() if isinstance(p, Float8Tensor)}
 
 
-def reattach_param_attributes(saved: List[Tuple[torch.Tensor, dict]]) -> None:
-    """Put back on each parameter the attributes `param_attributes` saw that its new `__dict__` lacks (the new
-    tensor's own fields are kept)."""
-    for param, attrs in saved:
-        current = param.__dict__
+def restore_parameter_attributes(module: torch.nn.Module, saved: Dict[str, dict]) -> None:
+    """Give the FP8 parameters the attributes they had before a conversion (`module.cpu()`, `.to()`, `.cuda()`).
+    torch swaps a tensor subclass parameter's contents with the converted tensor's, which has none of the
+    attributes set on the parameter (`get_high_precision_init_val`, tensor-parallel flags, ...)."""
+    for name, attrs in saved.items():
+        p = module._parameters.get(name)
+        if p is None:
+            continue
         for key, value in attrs.items():
-            if key not in current:
-                current[key] = value
+            if key not in p.__dict__:
+                setattr(p, key, value)
 
 
 def is_fp8_parameter(t) -> bool:

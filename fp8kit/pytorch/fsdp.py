@@ -33,6 +33,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import cast as casts
+from .constants import DType
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor, register_all_gather
 
 __all__ = ["pre_all_gather", "post_all_gather", "ShardAmaxQuantizer"]
@@ -49,14 +50,14 @@ def pre_all_gather(shard: Float8Tensor, mesh, orig_size: torch.Size) -> Tuple[Tu
         _agree_on_scale(shard, group)
         if quantizer is not None:
             quantizer._fp8kit_fsdp_scale_checked = True
-    data = shard._data.contiguous().view(torch.uint8)
+    data = shard._data.contiguous()  # the uint8 bytes
     padded_rows = math.ceil(orig_size[0] / mesh.size()) if len(orig_size) else 0
     padded = (padded_rows, *orig_size[1:])
     if tuple(data.shape) != padded:  # uneven sharding: FSDP2 gathers equal sizes, the padding is dropped afterwards
         buf = torch.zeros(padded, dtype=torch.uint8, device=data.device)
         buf[:data.shape[0]].copy_(data)
         data = buf
-    return (data,), (shard.scale_inv.detach().clone(), shard._data.dtype)
+    return (data,), (shard.scale_inv.detach().clone(), shard._fp8_dtype)
 
 
 def post_all_gather(shard: Float8Tensor, outputs: Tuple[torch.Tensor, ...], metadata: tuple, param_dtype: torch.dtype,
@@ -65,15 +66,17 @@ def post_all_gather(shard: Float8Tensor, outputs: Tuple[torch.Tensor, ...], meta
     `as_strided`), or, after the first gather, `out` pointed at the new bytes and scale."""
     (gathered,) = outputs
     scale_inv, fp8_dtype = metadata
-    data = gathered.view(fp8_dtype)
+    fp8_dtype = DType.cast(fp8_dtype)  # a DType (or a torch float8 dtype)
+    data = gathered
     if out is not None:
         out._data = data if data.shape[0] == out.shape[0] else data.narrow(0, 0, out.shape[0])
-        out._scale_inv = scale_inv
+        out._scale_inv, out._fp8_dtype = scale_inv, fp8_dtype
         out._scale_inv_value = None
-        out._transpose = None
-        out._values = None
+        out._transpose, out._transpose_invalid = None, True
+        out._values, out._codes_finite = None, False
         return None
-    full = Float8Tensor(dtype=param_dtype, data=data, fp8_scale_inv=scale_inv, quantizer=shard._quantizer)
+    full = Float8Tensor(dtype=param_dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=fp8_dtype,
+                        quantizer=shard._quantizer)
     return full, (gathered,)
 
 

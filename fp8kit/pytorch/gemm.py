@@ -21,11 +21,12 @@ Nothing here reads a device value on the host.
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from . import host
+from .class_table import ClassTable
 from .tensor.storage import Float8TensorStorage
 
 _ALIGN = 16  # cuBLASLt FP8: K and N multiples of 16
@@ -48,8 +49,7 @@ def check_cuda_shape(leading: int, in_features: int, out_features: int) -> list:
 
 GemmRule = Callable[[Any, Any, torch.dtype, Optional[torch.Tensor], bool], torch.Tensor]
 
-_RULES: Dict[type, GemmRule] = {}
-_RESOLVED: Dict[type, GemmRule] = {}  # storage type (subclasses included) -> rule, filled on first use
+_RULES = ClassTable("GEMM rule")  # storage class -> GemmRule
 
 
 def register_gemm_rule(storage_class: type, rule: GemmRule) -> None:
@@ -60,30 +60,20 @@ def register_gemm_rule(storage_class: type, rule: GemmRule) -> None:
         raise TypeError(f"register_gemm_rule: expected a storage class, got {storage_class!r}")
     if not callable(rule):
         raise TypeError(f"register_gemm_rule: rule must be callable, got {rule!r}")
-    _RULES[storage_class] = rule
-    _RESOLVED.clear()
+    _RULES.register(storage_class, rule)
 
 
 def gemm_rule(storage_type: type) -> GemmRule:
     """The rule of operands of `storage_type`: its own, else its nearest registered base class's."""
-    rule = _RESOLVED.get(storage_type)
-    if rule is None:
-        for cls in storage_type.__mro__:
-            if cls in _RULES:
-                rule = _RESOLVED[storage_type] = _RULES[cls]
-                break
-        else:
-            raise TypeError(f"fp8kit gemm: no GEMM rule for operands of type {storage_type.__name__} (known: "
-                            f"{', '.join(c.__name__ for c in _RULES)})")
-    return rule
+    return _RULES.lookup(storage_type)
 
 
 def gemm(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
          use_fast_accum: bool = False) -> torch.Tensor:
     """`a @ b` (+ bias) in `out_dtype` for quantized operands a `[M, K]`, b `[K, N]`, by the GEMM rule of their
     storage type (`register_gemm_rule`; per-tensor FP8 `Float8TensorStorage`: `per_tensor_gemm`)."""
-    rule = gemm_rule(type(a))
-    if type(b) is not type(a) and gemm_rule(type(b)) is not rule:
+    rule = _RULES[type(a)]  # one dict access (class_table.py)
+    if type(b) is not type(a) and _RULES[type(b)] is not rule:
         raise TypeError(f"fp8kit gemm: operands of types {type(a).__name__} and {type(b).__name__} have different "
                         "GEMM rules (one recipe's operands per GEMM)")
     return rule(a, b, out_dtype, bias, use_fast_accum)
@@ -100,7 +90,7 @@ def per_tensor_gemm(
     `(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
     if a._data.device.type == "cpu":
         if torch.compiler.is_compiling():  # the same code, as one opaque operation (it reads alpha on the host)
-            return torch.ops.fp8kit.emulated_mm(a._data, a.scale_inv, b._data, b.scale_inv, bias, out_dtype)
+            return torch.ops.fp8kit.emulated_mm(a.fp8_view(), a.scale_inv, b.fp8_view(), b.scale_inv, bias, out_dtype)
         return emulated(a, b, out_dtype, bias)
     if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
         return widened_gemm(a, b, out_dtype, bias)
@@ -136,9 +126,10 @@ def _is_row_major(t: torch.Tensor) -> bool:
 def _col_major_source(b: Float8TensorStorage) -> torch.Tensor:
     """`b._data.t()` as a contiguous (row-major [N, K]) tensor: `b._transpose` as is, or `b._data` when it is a
     transposed view of one, else a copy."""
-    if b._transpose is not None:
-        return b._transpose
-    bt = b._data.t()
+    t = b.transpose_view()
+    if t is not None:
+        return t
+    bt = b.fp8_view().t()
     return bt if _is_row_major(bt) else bt.contiguous()
 
 
@@ -177,7 +168,8 @@ def scaled_mm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.d
     pad_k, pad_n = (-k) % _ALIGN, (-n) % _ALIGN
     if pad_k or pad_n:
         _warn_padding(m, k, n, pad_k, pad_n)
-    mat_a = a._data if _is_row_major(a._data) else a._data.contiguous()
+    mat_a = a.fp8_view()
+    mat_a = mat_a if _is_row_major(mat_a) else mat_a.contiguous()
     mat_a = _padded(mat_a, pad_k, 0)
     mat_b = _padded(_col_major_source(b), pad_k, pad_n).t()  # column-major [K', N'], as cuBLASLt FP8 wants
     mm_bias = bias
@@ -206,8 +198,8 @@ def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dt
     """The CPU GEMM: the FP8 values widened exactly, multiplied with float32 accumulation, scaled by
     `alpha = float32(a.scale_inv * b.scale_inv)` (read on the host: CPU tensors only) and rounded once; one formula
     on every CPU path (host floats or tensors, eager or compiled)."""
-    a_inv = a.scale_inv_value if a.scale_inv_value is not None else float(a.scale_inv)  # one element
-    b_inv = b.scale_inv_value if b.scale_inv_value is not None else float(b.scale_inv)
+    a_inv = a.scale_inv_value if a.scale_inv_value is not None else _cpu_value(a.scale_inv)
+    b_inv = b.scale_inv_value if b.scale_inv_value is not None else _cpu_value(b.scale_inv)
     alpha = host.f32(a_inv * b_inv)  # the float32 product (exact in float64, rounded once)
     m, k = a.shape
     if out_dtype == torch.bfloat16 and alpha != float("inf") and m * k * b.shape[1] >= _BF16_GEMM_MIN_MACS:
@@ -220,6 +212,14 @@ def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dt
     out = torch.addmm(base, a.values(torch.float32), b.values(torch.float32), beta=1 if bias is not None else 0,
                       alpha=alpha)
     return out.to(out_dtype)
+
+
+def _cpu_value(t: torch.Tensor) -> float:
+    """The one element of a CPU tensor as a Python float, read from memory (`tolist` dispatches no operation)."""
+    value = t.tolist()
+    while isinstance(value, list):
+        value = value[0]
+    return value
 
 
 @torch.library.custom_op("fp8kit::emulated_mm", mutates_args=())

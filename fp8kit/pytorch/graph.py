@@ -16,11 +16,16 @@ states are restored in place (the graphs keep their addresses).
 
 Devices: on CUDA the graphs are CUDA graphs (`torch.cuda.make_graphed_callables`). Elsewhere there are no CUDA
 graphs; the callables are compiled with torch.compile (fullgraph, backend `CPU_BACKEND`), which replays a forward
-and a backward graph without running the modules' Python either, with the same bookkeeping around it.
+and a backward graph without running the modules' Python either, with the same bookkeeping around it. The backend
+is aot_eager: its graphs run the same aten operations as eager, so replays are bit-identical to eager steps
+(inductor generates its own kernels, whose reductions round differently). Each capture compiles a function with a
+code object of its own: dynamo keeps its compiled graphs, and counts them against `recompile_limit`, per code
+object, so captures of many different modules in one process do not compete for one module class's entries.
 """
 
 from __future__ import annotations
 
+import types
 import warnings
 from typing import Any, Callable, List, Optional
 
@@ -28,11 +33,12 @@ import torch
 
 from ..recipe import DelayedScaling, Recipe
 from .autocast import current_frame, entry_recipe, graph_capture_autocast
+from .graph_schedule import canonical_hooks, run_hooks, schedule
 from .modules.base import FP8StateMixin
 
 __all__ = ["make_graphed_callables", "CPU_BACKEND"]
 
-CPU_BACKEND = "inductor"  # torch.compile backend of the graphs on devices without CUDA graphs
+CPU_BACKEND = "aot_eager"  # torch.compile backend of the graphs on devices without CUDA graphs (bit-identical)
 
 
 def make_graphed_callables(
@@ -61,36 +67,55 @@ def make_graphed_callables(
     post_warmup_hook: Optional[Callable] = None,
     capture_time_hooks=None,
 ):
-    """Graph `modules` (a torch.nn.Module or a tuple of them), each called with its `sample_args` (a tuple of
-    tensors; a tuple of such tuples for several modules), under FP8 as `enabled` / `recipe` say. Returns the
-    modules (one or a tuple) with their forward replaced by the graphed one while in the training mode they had.
+    """Graph `modules` (a torch.nn.Module or a tuple of them), each called with its `sample_args` (a tuple or list
+    of tensors; a tuple of such for several modules), under FP8 as `enabled` / `recipe` say. Returns the modules
+    (one or a tuple) with their forward replaced by the graphed one while in the training mode they had.
 
     Call the graphed modules inside `te.autocast(recipe=...)` with the recipe they were graphed with: the updates of
     their delayed-scaling states run at its exit and after their backward, as for eager modules. Transformer Engine's
-    `fp8_*` argument names are accepted with its deprecation warning. Not supported (an error says so):
-    `cache_quantized_params` / `fp8_weight_caching`, `_order`, `_num_layers_per_chunk`,
-    `_reuse_graph_input_output_buffers`, `capture_time_hooks`, and `sample_kwargs` on CUDA.
+    `fp8_*` argument names are accepted with its deprecation warning.
+
+    Transformer Engine's options, on the CPU path (torch.compile graphs):
+    - `cache_quantized_params` (`fp8_weight_caching`): every call of a graphed module must pass the
+      `is_first_microbatch` bool (a ValueError says so otherwise), which the graph does not see. Under current
+      scaling, or with FP8 weights, the weights' FP8 bytes of a later microbatch equal the cached ones (the weights
+      do not change between microbatches), so each replay casts them again; under delayed scaling the cached bytes
+      would carry the first microbatch's scale, which a replayed graph cannot keep: refused (NotImplementedError).
+    - `_order`, `_num_layers_per_chunk`: the pipeline-parallel schedule (see fp8kit/pytorch/graph_schedule.py):
+      warm-up and capture run the layers' forwards and backwards in that order, with one `sample_args` entry per
+      (layer, microbatch); each layer is compiled once (its microbatches share the graph) and replays in any order.
+      As in Transformer Engine the result is then one graphed forward function per `sample_args` entry (the modules'
+      own forwards stay).
+    - `capture_time_hooks`: per module, `{"forward_pre_hooks" | "forward_hooks" | "backward_pre_hooks" |
+      "backward_hooks": {id: hook(module)}}`, called around each warm-up and capture forward / backward, never at
+      replay.
+    Not supported (an error says so): `_reuse_graph_input_output_buffers`, fractional `_order` entries, and on CUDA
+    `sample_kwargs`, `_order`, `capture_time_hooks`, `cache_quantized_params`.
     """
     enabled = _renamed("fp8_enabled", fp8_enabled, "enabled", enabled, False)
     calibrating = _renamed("fp8_calibrating", fp8_calibrating, "calibrating", calibrating, False)
     recipe = _renamed("fp8_recipe", fp8_recipe, "recipe", recipe, None)
     amax_reduction_group = _renamed("fp8_group", fp8_group, "amax_reduction_group", amax_reduction_group, None)
     cache = _renamed("fp8_weight_caching", fp8_weight_caching, "cache_quantized_params", cache_quantized_params, False)
-    for name, value in (("cache_quantized_params", cache), ("_order", _order),
-                        ("_num_layers_per_chunk", _num_layers_per_chunk),
-                        ("_reuse_graph_input_output_buffers", _reuse_graph_input_output_buffers),
-                        ("capture_time_hooks", capture_time_hooks)):
-        if value:
-            raise NotImplementedError(f"make_graphed_callables: {name} is not supported by fp8kit")
+    if _reuse_graph_input_output_buffers:
+        raise NotImplementedError("make_graphed_callables: _reuse_graph_input_output_buffers is not supported by "
+                                  "fp8kit")
     single = not isinstance(modules, tuple)
     if single:
         modules, sample_args = (modules,), (sample_args,)
         sample_kwargs = (sample_kwargs,)
     elif sample_kwargs is None:
-        sample_kwargs = (None,) * len(modules)
-    if len(sample_args) != len(modules) or len(sample_kwargs) != len(modules):
-        raise ValueError(f"make_graphed_callables: {len(modules)} modules but {len(sample_args)} sample_args and "
-                         f"{len(sample_kwargs)} sample_kwargs")
+        sample_kwargs = (None,) * len(sample_args)
+    if not isinstance(sample_args, (tuple, list)) \
+            or not all(isinstance(a, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in a)
+                       for a in sample_args):
+        raise TypeError("make_graphed_callables: each sample_args entry must be a tuple (or list) of tensors")
+    sample_args = tuple(tuple(a) for a in sample_args)
+    if len(sample_kwargs) != len(sample_args):
+        raise ValueError(f"make_graphed_callables: {len(sample_args)} sample_args but {len(sample_kwargs)} "
+                         "sample_kwargs")
+    steps = schedule(len(modules), len(sample_args), _order, _num_layers_per_chunk)
+    hooks = canonical_hooks(len(modules), capture_time_hooks)
     if not isinstance(enabled, tuple):
         if not isinstance(enabled, bool):
             raise TypeError(f"make_graphed_callables: enabled must be a bool or a tuple of bools, got {enabled!r}")
@@ -101,40 +126,53 @@ def make_graphed_callables(
         raise TypeError(f"make_graphed_callables: calibrating must be a bool, got {calibrating!r}")
     if any(enabled) or calibrating:
         recipe = entry_recipe(recipe, "make_graphed_callables")  # the fields at capture: replays check them
-    for module, args in zip(modules, sample_args):
+    for module in modules:
         if not isinstance(module, torch.nn.Module):
             raise TypeError(f"make_graphed_callables: graphing {type(module).__name__} is not supported; pass "
                             "torch.nn.Module instances")
-        if not isinstance(args, tuple) or not all(isinstance(a, torch.Tensor) for a in args):
-            raise TypeError("make_graphed_callables: each sample_args entry must be a tuple of tensors")
     if not isinstance(num_warmup_iters, int) or num_warmup_iters < 1:
         raise ValueError(f"make_graphed_callables: num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}")
+    if cache and isinstance(recipe, DelayedScaling) and (any(enabled) or calibrating):
+        raise NotImplementedError(
+            "make_graphed_callables: cache_quantized_params=True under DelayedScaling: the cached FP8 weights of "
+            "later microbatches carry the first microbatch's scale, which fp8kit's replayed graphs cannot keep; "
+            "use cache_quantized_params=False (the weights are cast at every replay) or Float8CurrentScaling")
+    cuda = sample_args[0][0].is_cuda if sample_args[0] else False
+    if cuda and (any(sample_kwargs) or _order is not None or capture_time_hooks is not None or cache):
+        raise NotImplementedError("make_graphed_callables: sample_kwargs, _order, capture_time_hooks and "
+                                  "cache_quantized_params are not supported on CUDA by fp8kit")
 
     saved = [_save_states(m) for m in modules]
     if pre_warmup_hook is not None:
         pre_warmup_hook()
     settings = [(en, calibrating, recipe if (en or calibrating) else None, amax_reduction_group) for en in enabled]
-    calls = [_warm_up(m, args, kwargs or {}, s, num_warmup_iters)
-             for m, args, kwargs, s in zip(modules, sample_args, sample_kwargs, settings)]
+    calls = [None] * len(modules)
+    forwards = [_eager_forward(m, s, calls, i) for i, (m, s) in enumerate(zip(modules, settings))]
+    for _ in range(num_warmup_iters):
+        _run_steps(steps, modules, forwards, sample_args, sample_kwargs, hooks)
     if post_warmup_hook is not None:
         post_warmup_hook()
-    cuda = sample_args[0][0].is_cuda
     if cuda:
-        if any(sample_kwargs):
-            raise NotImplementedError("make_graphed_callables: sample_kwargs are not supported on CUDA by fp8kit")
         replays = _capture_cuda(modules, sample_args, settings, num_warmup_iters, allow_unused_input, pool)
     else:
-        replays = [_capture_compiled(m, args, kwargs or {}, s)
-                   for m, args, kwargs, s in zip(modules, sample_args, sample_kwargs, settings)]
+        replays = [_capture_compiled(m, s) for m, s in zip(modules, settings)]
+        _run_steps(steps, modules, replays, sample_args, sample_kwargs, hooks)  # compiles the graphs
     for states in saved:
         _restore_states(states)
 
     out = []
     for module, replay, call_list, setting in zip(modules, replays, calls, settings):
-        module.forward = _replaying_forward(module, replay, call_list, setting, module.training)
-        module.reset = lambda: None
-        module.backward_dw = _backward_dw(module)
-        out.append(module)
+        if cache:
+            replay = _taking_first_microbatch(module, replay)
+        forward = _replaying_forward(module, replay, call_list or [], setting, module.training)
+        forward.reset = lambda: None
+        forward.backward_dw = _backward_dw(module)
+        if _order is None:
+            module.forward, module.reset, module.backward_dw = forward, forward.reset, forward.backward_dw
+        out.append(module if _order is None else forward)
+    if _order is not None:  # as Transformer Engine: one graphed forward per (layer, microbatch) sample, in order
+        layer_of = {sample: index for kind, index, sample in steps if kind == "fwd"}
+        return tuple(out[layer_of[s]] for s in range(len(sample_args)))
     return out[0] if single else tuple(out)
 
 
@@ -192,17 +230,32 @@ def _restore_states(saved) -> None:
 
 # ---- warm-up: eager calls under the capture autocast, which also lists the FP8 calls ----------------------------
 
-def _warm_up(module, args, kwargs, setting, iters: int):
-    """Run `iters` forward + backward passes as the capture will; return the FP8 calls of one forward as
-    [(module, needs_backward)]."""
-    calls = None
-    for _ in range(iters):
+def _eager_forward(module, setting, calls: list, index: int):
+    """The module's eager forward under the capture autocast; its first call lists the FP8 calls of one forward
+    into `calls[index]` as [(module, needs_backward)]."""
+    def forward(*args, **kwargs):
         with graph_capture_autocast(*setting) as step:
             out = module(*args, **kwargs)
-        if calls is None:
-            calls = step.graph_calls
-        _backward(module, args, out)
-    return calls
+        if calls[index] is None:
+            calls[index] = step.graph_calls
+        return out
+
+    return forward
+
+
+def _run_steps(steps, modules, forwards, sample_args, sample_kwargs, hooks) -> None:
+    """One pass of the warm-up / capture schedule: forwards and backwards in order, hooks around each."""
+    outputs = {}
+    for kind, index, sample in steps:
+        module = modules[index]
+        if kind == "fwd":
+            run_hooks(hooks, index, "forward_pre_hooks", module)
+            outputs[sample] = forwards[index](*sample_args[sample], **(sample_kwargs[sample] or {}))
+            run_hooks(hooks, index, "forward_hooks", module)
+        elif module.training:
+            run_hooks(hooks, index, "backward_pre_hooks", module)
+            _backward(module, sample_args[sample], outputs.pop(sample))
+            run_hooks(hooks, index, "backward_hooks", module)
 
 
 def _backward(module, args, out) -> None:
@@ -215,17 +268,37 @@ def _backward(module, args, out) -> None:
 
 # ---- capture -----------------------------------------------------------------------------------------------------
 
-def _capture_compiled(module, args, kwargs, setting):
-    """A forward and a backward graph from torch.compile (devices without CUDA graphs)."""
-    forward = module.forward
-    compiled = torch.compile(forward, fullgraph=True, backend=CPU_BACKEND)
+def _capture_compiled(module, setting):
+    """A forward and a backward graph from torch.compile (devices without CUDA graphs), compiled at the first call.
+    The compiled function has a code object of its own (see the module docstring)."""
+    compiled = torch.compile(_own_code(module.forward), fullgraph=True, backend=CPU_BACKEND)
 
     def replay(*a, **k):
         with graph_capture_autocast(*setting):
             return compiled(*a, **k)
 
-    _backward(module, args, replay(*args, **kwargs))  # compile both graphs now
     return replay
+
+
+def _own_code(forward: Callable) -> Callable:
+    """A function calling `forward`, with a code object no other function has."""
+    def graphed_forward(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    code = graphed_forward.__code__.replace()  # a copy: dynamo's cache lives on the code object
+    return types.FunctionType(code, graphed_forward.__globals__, "graphed_forward", None, graphed_forward.__closure__)
+
+
+def _taking_first_microbatch(module, replay):
+    """cache_quantized_params=True: each call names `is_first_microbatch` (a bool), which the graph does not take
+    (see make_graphed_callables)."""
+    def forward(*args, is_first_microbatch=None, **kwargs):
+        if not isinstance(is_first_microbatch, bool):
+            raise ValueError(f"the graphed {type(module).__name__} was made with cache_quantized_params=True: pass "
+                             f"is_first_microbatch=True/False, got {is_first_microbatch!r}")
+        return replay(*args, **kwargs)
+
+    return forward
 
 
 def _capture_cuda(modules, sample_args, settings, iters, allow_unused_input, pool):

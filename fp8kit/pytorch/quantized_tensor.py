@@ -41,6 +41,7 @@ class QuantizedTensorStorage:
             self.with_transpose()
         elif columnwise_usage is False:
             self._transpose = None
+            self._transpose_invalid = True
 
 
 def prepare_for_saving(*tensors) -> Tuple[list, list]:
@@ -199,6 +200,8 @@ class QuantizedTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.view.default:  # as Transformer Engine's base class: views need a subclass's data
+            raise NotImplementedError(f"{cls.__name__} class does not support tensor views")
         return run_dequantized(func, args, kwargs or {})
 
 

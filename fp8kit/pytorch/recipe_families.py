@@ -16,13 +16,14 @@ docs/architecture.md, "Adding a recipe".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Tuple
 
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from .cast import fp8_dtype_of
+from .class_table import ClassTable
 from .quantizer import CurrentQuantizer, DelayedQuantizer, FixedScaleQuantizer
 
-__all__ = ["RecipeFamily", "register_recipe_family", "recipe_family", "registered_recipes"]
+__all__ = ["RecipeFamily", "register_recipe_family", "recipe_family", "registered_recipes", "FAMILIES"]
 
 QuantizerFactory = Callable[[object, int], Tuple[object, object, object]]
 PlanOptions = Callable[[object, Recipe, object, object], None]
@@ -36,8 +37,7 @@ class RecipeFamily:
     configure_plan: PlanOptions
 
 
-_FAMILIES: Dict[type, RecipeFamily] = {}
-_RESOLVED: Dict[type, RecipeFamily] = {}  # recipe type (subclasses included) -> family, filled on first use
+FAMILIES = ClassTable("recipe family")  # recipe class -> RecipeFamily; `FAMILIES[type(recipe)]` on hot paths
 
 
 def _no_plan_options(plan, recipe, module, call) -> None:
@@ -53,27 +53,17 @@ def register_recipe_family(recipe_class: type, quantizers: QuantizerFactory,
     for name, fn in (("quantizers", quantizers), ("configure_plan", configure_plan)):
         if not callable(fn):
             raise TypeError(f"register_recipe_family: {name} must be callable, got {fn!r}")
-    _FAMILIES[recipe_class] = RecipeFamily(quantizers, configure_plan)
-    _RESOLVED.clear()
+    FAMILIES.register(recipe_class, RecipeFamily(quantizers, configure_plan))
 
 
 def recipe_family(recipe_type: type) -> RecipeFamily:
     """The family of `recipe_type`: its own, else its nearest registered base class's; TypeError if none."""
-    family = _RESOLVED.get(recipe_type)
-    if family is None:
-        for cls in recipe_type.__mro__:
-            if cls in _FAMILIES:
-                family = _RESOLVED[recipe_type] = _FAMILIES[cls]
-                break
-        else:
-            raise TypeError(f"fp8kit: no recipe family is registered for {recipe_type.__name__} (known: "
-                            f"{', '.join(c.__name__ for c in registered_recipes())})")
-    return family
+    return FAMILIES.lookup(recipe_type)
 
 
 def registered_recipes() -> Tuple[type, ...]:
     """The recipe classes with a family, in registration order."""
-    return tuple(_FAMILIES)
+    return FAMILIES.classes()
 
 
 # ---- the per-tensor families: delayed and current scaling ----------------------------------------------------------

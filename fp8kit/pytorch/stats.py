@@ -71,12 +71,12 @@ class RoleStats:
         """Account one cast of `x` (high precision) into `q` with the float32 `scale` (one element).
 
         `amax_value` is `amax(x)` when the caller already has it (delayed scaling computes it anyway)."""
-        if self.fp8_dtype is not None and self.fp8_dtype != q._data.dtype:
+        if self.fp8_dtype is not None and self.fp8_dtype != q.fp8_dtype:
             self.reset()  # the recipe changed the format: counts of different bit patterns do not mix
         if amax_value is None:
             amax_value = amax(x)
         # One pass over the FP8 bytes: a histogram of the 256 bit patterns (cheaper than separate compares).
-        codes = torch.bincount(q._data.reshape(-1).view(torch.uint8), minlength=256)
+        codes = torch.bincount(q._data.reshape(-1), minlength=256)
         if self.codes is None or self.codes.device != codes.device:
             self.amax_value = torch.zeros((), dtype=torch.float32, device=codes.device)
             self.scale_value = torch.ones((), dtype=torch.float32, device=codes.device)
@@ -88,7 +88,7 @@ class RoleStats:
         self.scale_value.copy_(scale.reshape(()))  # a copy now: delayed scaling updates its scale in place later
         self.casts += 1
         self.numel += x.numel()
-        self.fp8_dtype = q._data.dtype
+        self.fp8_dtype = q.fp8_dtype
 
     def row(self) -> Optional[Dict[str, object]]:
         """A dict with the STATS_COLUMNS other than `module` and `role` (None before the first cast)."""

@@ -12,12 +12,7 @@ from .attention.layouts import check_qkv_format
 from .attention.masks import canonical_mask_type, checked_window_size
 from .attention.multi_head_attention import MultiheadAttention
 from .attention.parallel import positive_int, tensor_parallel_size
-from .modules import LayerNorm, RMSNorm
-
-try:
-    from .modules import LayerNormMLP
-except ImportError:  # pragma: no cover - the MLP module lands separately
-    LayerNormMLP = None
+from .modules import LayerNorm, LayerNormMLP, RMSNorm
 
 __all__ = ["TransformerLayer", "DropPath"]
 

@@ -10,6 +10,7 @@ import flax.linen as nn
 from ...recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from .. import context
 from ..dense import dense
+from ..scaling_modes import block_kind
 from ..sharding import current_mesh_resource
 from ..state import FP8_COLLECTION
 from ..training import OVERWRITE_WITH_GRADIENT
@@ -36,12 +37,14 @@ class TransformerEngineBase(nn.Module):
 
 
 def _check_recipe(recipe: Optional[Recipe]) -> None:
-    if isinstance(recipe, Recipe) and not recipe.float8_per_tensor_scaling() and recipe._kind:
+    if recipe is None or isinstance(recipe, (DelayedScaling, Float8CurrentScaling)) or block_kind(recipe):
+        return
+    if isinstance(recipe, Recipe) and recipe._kind:
         raise NotImplementedError(f"quantization_recipe: {type(recipe).__name__} is not implemented in fp8kit.jax "
-                                  "yet; use DelayedScaling or Float8CurrentScaling")
-    if recipe is not None and not isinstance(recipe, (DelayedScaling, Float8CurrentScaling)):
-        raise ValueError(f"quantization_recipe: expected None, DelayedScaling or Float8CurrentScaling, got "
-                         f"{type(recipe).__name__}")
+                                  "yet; use DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
+                                  "Float8BlockScaling")
+    raise ValueError(f"quantization_recipe: expected None, DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling "
+                     f"or Float8BlockScaling, got {type(recipe).__name__}")
 
 
 def wrap_function_in_te_state_module(f: Callable, quantization_recipe: Optional[Recipe], name: Optional[str] = None,

@@ -14,6 +14,7 @@ from typing import Optional
 
 import torch
 
+from ..cast import scale_from_amax
 from .launch import cdiv, check_input, check_scalar, fp8_info, launch
 
 CAST_BLOCK = 64  # cast+transpose tiles are CAST_BLOCK x CAST_BLOCK (not tuned on hardware yet)
@@ -194,8 +195,6 @@ def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where
     data, data_t, grad = _run(x, m, n, fp8_dtype, amax_buf=a, scale_out=scale, scale_inv_out=scale_inv,
                               scaled_max=fp8_max, eps=eps, power_2=power_2, transpose=transpose, dbias=dbias)
     if x.numel() == 0:
-        from ..cast import scale_from_amax  # lazy: no import cycle with fp8kit.pytorch.cast
-
         clamped = torch.clamp_min(a, eps) if eps > 0 else a
         scale.copy_(scale_from_amax(clamped, fp8_max, torch.ones_like(a), power_2))
         scale_inv.copy_(torch.reciprocal(scale))

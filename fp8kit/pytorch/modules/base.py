@@ -14,8 +14,8 @@ from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
 from ..compiled import compiling, note_compiled_call
 from ..dist_rules import label_states
-from ..fp8_weights import param_attributes, reattach_param_attributes
-from ..recipe_families import recipe_family
+from ..fp8_weights import parameter_attributes, renew_weight_quantizers, restore_parameter_attributes
+from ..recipe_families import FAMILIES
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
 from ..state_entry import FIELDS as _FIELDS
@@ -39,6 +39,9 @@ class _CallCache(dict):
         return _CallCache, ()
 
 
+_NO_OVERRIDE = (False, False, False)
+
+
 class FP8Call:
     """What one forward call of an FP8 module decided.
 
@@ -56,7 +59,9 @@ class FP8Call:
     def __init__(self, module, frame: Frame, record: Optional[ForwardRecord], replay: bool, track_backward: bool,
                  states):
         self.module, self.frame, self.record, self.replay = module, frame, record, replay
-        self.fp8 = tuple(frame.enabled and not o for o in frame.recipe.override_linear_precision)
+        # recipes without the field (TE's block-scaling ones) run every GEMM in FP8
+        override = getattr(frame.recipe, "override_linear_precision", _NO_OVERRIDE)
+        self.fp8 = tuple(frame.enabled and not o for o in override)
         self.calibrate = not frame.enabled
         self.track_backward = track_backward
         self._states = states
@@ -71,7 +76,7 @@ class FP8Call:
         hold no per-call state: they are made once per (recipe, GEMM, states, reduction groups) and kept by the
         module for its eager calls (a steady-state call makes none)."""
         recipe = self.frame.recipe
-        family = recipe_family(type(recipe))
+        family = FAMILIES[type(recipe)]  # one dict access
         module = self.module
         if self.replay or compiling() or type(recipe) not in _KEPT_QUANTIZERS \
                 or getattr(module, "fp8_stats", None) is not None:
@@ -142,11 +147,11 @@ class FP8StateMixin:
         return state
 
     def _apply(self, fn, recurse=True):
-        """Move the FP8 states with the parameters (`.to()`, `.cuda()`, `to_empty()`); they stay float32. FP8 weight
-        parameters keep the attributes attached to them (fp8kit.pytorch.fp8_weights.param_attributes)."""
-        saved = param_attributes(self)
+        """Move the FP8 states with the parameters (`.to()`, `.cuda()`, `to_empty()`); they stay float32. FP8
+        parameters keep their Python attributes (`get_high_precision_init_val`, ...)."""
+        attrs = parameter_attributes(self)
         out = super()._apply(fn, recurse)
-        reattach_param_attributes(saved)
+        restore_parameter_attributes(self, attrs)
         param = next(self.parameters(recurse=False), None)
         meta = getattr(self, "fp8_meta", None)
         if param is not None and meta is not None:
@@ -256,7 +261,7 @@ class FP8StateMixin:
             if state.history_len != length:
                 state.resize_(length)
                 if name == "scaling_fwd":
-                    self._warn_weight_quantizers_updated(state)
+                    renew_weight_quantizers(self, state)
             if state.scale.device != device:
                 state.to_(device)
         meta["recipe"] = frame.recipe
@@ -265,15 +270,6 @@ class FP8StateMixin:
         if label is not None:  # names the module in registration-mismatch messages
             label_states(label, meta["scaling_fwd"], meta["scaling_bwd"])
         return meta["scaling_fwd"], meta["scaling_bwd"]
-
-    def _warn_weight_quantizers_updated(self, state: ScalingState) -> None:
-        """Warn, as Transformer Engine does when it gives FP8 weights new quantizers, that the FP8 weight parameters
-        (quantized_model_init) scaled by `state` now follow a history of another length."""
-        for param in self.parameters(recurse=False):
-            if getattr(getattr(param, "_quantizer", None), "state", None) is state:
-                warnings.warn("Quantizer is being updated, this may affect model behavior (the amax history of the "
-                              f"FP8 weights of {type(self).__name__} now has {state.history_len} rows)",
-                              UserWarning, stacklevel=4)
 
     # ---- checkpoints: plain tensors under `<prefix>fp8_meta.<pass>.<field>` ----------------------------------
 

@@ -109,7 +109,8 @@ def _weight_operand(plan: LinearPlan, rebuild, saved, inv, inv_value):
     """The FP8 weight for dgrad: the forward's storage itself when it still holds the saved bytes (no saved-tensor
     hook replaced them), so that the CPU GEMM's widened values made in the forward serve again; else rebuilt."""
     forward = plan.weight_fp8
-    if forward is not None and getattr(forward, "_data", None) is saved:
+    if forward is not None and (getattr(forward, "_data", None) is saved
+                                or getattr(forward, "fp8_view", lambda: None)() is saved):  # uint8 bytes: a view
         return forward
     return rebuild(saved, inv, inv_value)
 

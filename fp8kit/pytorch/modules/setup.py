@@ -11,7 +11,7 @@ import torch
 
 from ..compiled import compiling
 from ..distributed import TensorParallel, tensor_parallel
-from ..recipe_families import recipe_family
+from ..recipe_families import FAMILIES
 from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.storage import Float8TensorStorage
 from .base import FP8Call
@@ -168,13 +168,13 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
         if cached is not None:
             call.reused_weight(gemm, cached)
     if isinstance(weight_param, Float8Tensor):  # an FP8 weight (quantized_model_init): its bytes, no cast
-        if weight_param._data.dtype != weight_q.fp8_dtype:
-            raise TypeError(f"{type(module).__name__}: the FP8 weight holds {weight_param._data.dtype} but the recipe "
+        if weight_param.fp8_dtype != weight_q.fp8_dtype:
+            raise TypeError(f"{type(module).__name__}: the FP8 weight holds {weight_param.fp8_dtype} but the recipe "
                             f"casts weights to {weight_q.fp8_dtype}; create the model under quantized_model_init with "
                             "a recipe of the same format")
         cached = weight_param.storage_view()
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
-    recipe_family(type(recipe)).configure_plan(plan, recipe, module, call)
+    FAMILIES[type(recipe)].configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input
     return _weight_grad_options(plan, module, is_first_microbatch, weight_param, module.wgrad_store)
 

@@ -73,6 +73,11 @@ class BlockScaledStorage(QuantizedTensorStorage):
         raise NotImplementedError
 
     @staticmethod
+    def _rowwise_shape_of(shape) -> tuple:
+        """The rowwise data's shape for a tensor of `shape` (the shape itself unless values are packed)."""
+        return tuple(shape)
+
+    @staticmethod
     def _columnwise_shape_of(shape) -> tuple:
         """The columnwise data's shape for a tensor of `shape`."""
         raise NotImplementedError
@@ -227,7 +232,7 @@ def _view(t, size):
         return NotImplemented
     fields = t._fields()
     if fields["rowwise_data"] is not None:
-        fields["rowwise_data"] = fields["rowwise_data"].view(shape)
+        fields["rowwise_data"] = fields["rowwise_data"].view(t._rowwise_shape_of(shape))
     if fields["columnwise_data"] is not None:
         fields["columnwise_data"] = fields["columnwise_data"].view(t._columnwise_shape_of(shape))
     return t._rebuild(fields)
@@ -316,8 +321,25 @@ class BlockQuantizer(Quantizer):
     def _fields(self, x: torch.Tensor) -> dict:
         raise NotImplementedError
 
+    # formats whose flattened dims must be multiples of a block: (format name, block), else None (any shape)
+    _dims_multiple_of: Optional[Tuple[str, int]] = None
+
+    def is_quantizable(self, inp: torch.Tensor) -> bool:
+        """Whether `inp` has the dims the format needs (>= 2 dims, flattened dims multiples of its block)."""
+        if self._dims_multiple_of is None:
+            return True
+        block = self._dims_multiple_of[1]
+        if inp.dim() < 2:
+            return False
+        k = inp.shape[-1]
+        return (inp.numel() // k if k else 0) % block == 0 and k % block == 0
+
     def _shape_error(self, x: torch.Tensor) -> Optional[str]:
-        return None
+        if self.is_quantizable(x):
+            return None
+        name, block = self._dims_multiple_of
+        return (f"{name} requires tensor dims that are divisible by {block} (at least 2 dims; the flattened first "
+                f"dims and the last dim), got shape {tuple(x.shape)}")
 
     def _check(self, tensor: torch.Tensor) -> torch.Tensor:
         name = type(self).__name__

@@ -1,8 +1,9 @@
 """Float8Tensor (a torch.Tensor) and Transformer Engine's per-tensor quantizers, `Float8Quantizer` (a given scale, amax
 recorded: delayed scaling) and `Float8CurrentScalingQuantizer` (the scale from the tensor's own amax).
 
-A Float8Tensor has the nominal dtype, shape and device of the values it stands for; `_data` holds the FP8 bytes,
-`_scale_inv` (float32 `[1]`) maps them back. Views, reshapes, transposes, `contiguous`, `clone`, `detach`, device moves
+A Float8Tensor has the nominal dtype, shape and device of the values it stands for; `_data` holds the FP8 bytes as
+`torch.uint8` (Transformer Engine's layout) with `_fp8_dtype` naming the format, `_scale_inv` (float32 `[1]`) maps
+them back. Views, reshapes, transposes, `contiguous`, `clone`, `detach`, device moves
 (`to`, `cpu`, `cuda`), `chunk` / `split` and `cat` (of tensors with one scale) stay FP8, since moving bytes is exact;
 `copy_` into a Float8Tensor quantizes with its quantizer (or its scale); every other operation dequantizes to the
 nominal dtype and runs in high precision, and an in-place one quantizes its result back. `torch.save` /
@@ -12,6 +13,7 @@ nominal dtype and runs in high precision, and an in-place one quantizes its resu
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Iterable, Optional, Union
 
 import torch
@@ -25,15 +27,13 @@ from .storage import Float8TensorStorage
 
 __all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "make_float8_tensor", "wrap"]
 
-aten = torch.ops.aten
-
-
 class Float8Tensor(Float8TensorStorage, QuantizedTensor):
     """An FP8 tensor with one float32 scale: `values ~= float32(_data) * _scale_inv` (see the module docstring).
 
     Float8Tensor(shape=None, dtype=None, *, data, fp8_scale_inv, fp8_dtype=None, data_transpose=None, quantizer=None,
-    requires_grad=False): `data` a float8_e4m3fn / float8_e5m2 tensor, `fp8_scale_inv` float32 with one element,
-    `dtype` the nominal dtype (default float32), `shape` the data's.
+    requires_grad=False): `data` the bytes as uint8 with `fp8_dtype` a `DType` (kFloat8E4M3 / kFloat8E5M2), or a
+    float8_e4m3fn / float8_e5m2 tensor (its dtype names the format); `fp8_scale_inv` float32 with one element, `dtype`
+    the nominal dtype (default float32), `shape` the data's.
     """
 
     shape = torch.Tensor.shape
@@ -54,6 +54,21 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         instance._set_fields(data, fp8_scale_inv, fp8_dtype, dtype, data_transpose, quantizer, None)
         return instance
 
+    @classmethod
+    def make_like(cls, tensor: "Float8Tensor", *, shape=None, dtype: Optional[torch.dtype] = None,
+                  requires_grad: bool = False, data: Optional[torch.Tensor] = None,
+                  data_transpose: Optional[torch.Tensor] = None) -> "Float8Tensor":
+        """A new tensor of `tensor`'s class over its buffers (or `data` / `data_transpose`), with its scale,
+        format and quantizer (Transformer Engine's `make_like`)."""
+        kwargs = tensor.get_metadata()
+        if data is not None:
+            kwargs["data"] = data
+            kwargs["data_transpose"] = data_transpose
+        elif data_transpose is not None:
+            kwargs["data_transpose"] = data_transpose
+        kwargs["fake_dtype"] = None
+        return cls(shape=shape, dtype=dtype or tensor.dtype, requires_grad=requires_grad, **kwargs)
+
     def __init__(self, *args, **kwargs):  # everything happened in __new__
         pass
 
@@ -62,20 +77,33 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
     def dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
         return Float8TensorStorage.dequantize_impl(self, dtype)
 
-    def quantize_(self, tensor: torch.Tensor) -> "Float8Tensor":
+    def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> "Float8Tensor":
         """Quantize `tensor` into this tensor (its bytes and scale_inv), with its quantizer, or else with the scale
-        `float32(1 / scale_inv)`."""
+        `float32(1 / scale_inv)`. `noop_flag` (float32, one element): when it holds a nonzero value nothing changes
+        (neither the bytes, the scale nor the quantizer's amax), as in Transformer Engine."""
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize_impl(tensor.dtype)
         quantizer = self._quantizer
         if quantizer is None:
             quantizer = Float8Quantizer(torch.reciprocal(self.scale_inv.detach()), torch.zeros(1, device=self.device),
                                         self._fp8_dtype)
-        quantizer.update_quantized(tensor.detach(), self)
+        quantizer.update_quantized(tensor.detach(), self, noop_flag=noop_flag)
         return self
+
+    def update_quantizer(self, quantizer: Quantizer) -> None:
+        """Use `quantizer` for later in-place updates; replacing a different quantizer warns, as in Transformer
+        Engine (the tensor's bytes were made by the old one)."""
+        if self._quantizer is None:
+            raise RuntimeError("Float8Tensor.update_quantizer: the tensor has no quantizer to update")
+        if self._quantizer is not quantizer:
+            warnings.warn("Quantizer is being updated, this may affect model behavior", stacklevel=2)
+            self._quantizer = quantizer
 
     def storage_view(self) -> Float8TensorStorage:
         """The same bytes as a plain storage (what the GEMMs take)."""
-        return Float8TensorStorage(data=self._data, fp8_scale_inv=self.scale_inv, fake_dtype=self.dtype,
-                                   data_transpose=self._transpose, quantizer=self._quantizer)
+        return Float8TensorStorage(data=self._data, fp8_scale_inv=self.scale_inv, fp8_dtype=self._fp8_dtype,
+                                   fake_dtype=self.dtype, data_transpose=None if self._transpose_invalid
+                                   else self._transpose, quantizer=self._quantizer)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         head = f"Float8Tensor(fp8_dtype={self._fp8_dtype.name}, shape={tuple(self.shape)}, dtype={self.dtype}"
@@ -83,19 +111,53 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
             return head + ")"  # traced: no values to show
         return head + f", scale_inv={float(self.scale_inv.reshape(())):.6g}, data={self.dequantize_impl(self.dtype)})"
 
+    # ---- `x.data`: reading gives a detached alias; assigning a Float8Tensor takes its buffers, assigning a plain
+    # tensor quantizes it with this tensor's quantizer (shape, dtype and device follow the new value) ----
+
+    def _get_data(self) -> "Float8Tensor":
+        return super().data
+
+    @torch.no_grad()
+    def _set_data(self, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"Float8Tensor.data must be set to a tensor, got {type(tensor).__name__}")
+        src = tensor
+        if not isinstance(tensor, Float8Tensor):
+            quantizer = self._quantizer
+            if quantizer is None:
+                quantizer = Float8Quantizer(torch.reciprocal(self.scale_inv.detach()),
+                                            torch.zeros(1, device=self.device), self._fp8_dtype)
+            src = wrap(quantizer._cast(_check(tensor, "Float8Tensor.data")), quantizer)
+        if (self.size(), self.stride(), self.dtype, self.device) != (src.size(), src.stride(), src.dtype, src.device):
+            shell = torch.Tensor._make_wrapper_subclass(
+                type(self), src.size(), strides=src.stride(), dtype=src.dtype, layout=torch.strided,
+                requires_grad=tensor.requires_grad, device=src.device)
+            torch.Tensor.data.__set__(self, shell)
+        self._data, self._scale_inv, self._fp8_dtype = src._data, src._scale_inv, src._fp8_dtype
+        self._transpose, self._transpose_invalid = src._transpose, src._transpose_invalid
+        self._quantizer = src._quantizer.copy() if src._quantizer is not None and src is tensor else src._quantizer
+        self._dtype, self._scale_inv_value, self._values = src._dtype, src._scale_inv_value, None
+        self._codes_finite = False
+
+    data = property(_get_data, _set_data)
+
     # ---- serialisation and torch.compile ----
 
     def __reduce_ex__(self, protocol):
-        return make_float8_tensor, (self._data, self.scale_inv, self.dtype, self.requires_grad)
+        return make_float8_tensor, (self._data, self.scale_inv, self.dtype, self.requires_grad,
+                                    int(self._fp8_dtype))
 
     def __tensor_flatten__(self):
-        names = ["_data", "_scale_inv"] + (["_transpose"] if self._transpose is not None else [])
-        return names, (self.dtype,)
+        if self._scale_inv is None:
+            self.scale_inv  # noqa: B018 (made from the host float, so that it can be an inner tensor)
+        valid_t = self._transpose is not None and not self._transpose_invalid
+        names = ["_data", "_scale_inv"] + (["_transpose"] if valid_t else [])
+        return names, (self.dtype, int(self._fp8_dtype))
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        (dtype,) = meta
-        return Float8Tensor(dtype=dtype, data=inner["_data"], fp8_scale_inv=inner["_scale_inv"],
+        dtype, fmt = meta
+        return Float8Tensor(dtype=dtype, data=inner["_data"], fp8_scale_inv=inner["_scale_inv"], fp8_dtype=fmt,
                             data_transpose=inner.get("_transpose"))
 
     # ---- FSDP2 all-gather extension (fully_shard gathers the FP8 bytes) ----
@@ -133,130 +195,19 @@ def _all_gather_hooks():
 
 
 def make_float8_tensor(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype,
-                       requires_grad: bool = False) -> Float8Tensor:
-    """Rebuild a pickled Float8Tensor (allowed by `torch.load(weights_only=True)`)."""
-    return Float8Tensor(dtype=dtype, data=data, fp8_scale_inv=scale_inv, requires_grad=requires_grad)
+                       requires_grad: bool = False, fp8_dtype: Optional[int] = None) -> Float8Tensor:
+    """Rebuild a pickled Float8Tensor (allowed by `torch.load(weights_only=True)`): uint8 `data` with `fp8_dtype`
+    (a DType's value), or float8-typed `data` as older fp8kit versions saved it."""
+    return Float8Tensor(dtype=dtype, data=data, fp8_scale_inv=scale_inv, fp8_dtype=fp8_dtype,
+                        requires_grad=requires_grad)
 
 
 def wrap(q: Float8TensorStorage, quantizer: Optional[Quantizer] = None) -> Float8Tensor:
     """A storage as a Float8Tensor (the same bytes)."""
-    return Float8Tensor(dtype=q.dtype, data=q._data, fp8_scale_inv=q.scale_inv, data_transpose=q._transpose,
-                        quantizer=quantizer)
+    return Float8Tensor(dtype=q.dtype, data=q._data, fp8_scale_inv=q.scale_inv, fp8_dtype=q._fp8_dtype,
+                        data_transpose=None if q._transpose_invalid else q._transpose, quantizer=quantizer)
 
-
-def _like(t: Float8Tensor, data: torch.Tensor, scale_inv=None, transpose=None) -> Float8Tensor:
-    return Float8Tensor(dtype=t.dtype, data=data, fp8_scale_inv=t.scale_inv if scale_inv is None else scale_inv,
-                        data_transpose=transpose, quantizer=t._quantizer)
-
-
-def _detach(t, *a, **k):
-    return _like(t, t._data, transpose=t._transpose) if not a and not k else NotImplemented
-
-
-def _clone(t, *, memory_format=None):
-    if memory_format in (None, torch.preserve_format, torch.contiguous_format):
-        data = t._data.contiguous() if memory_format is torch.contiguous_format else t._data.clone()
-        if data is t._data:
-            data = data.clone()
-        return _like(t, data, t.scale_inv.clone(), None if t._transpose is None else t._transpose.clone())
-    return NotImplemented
-
-
-def _view(t, size):
-    return _like(t, t._data.view(size))
-
-
-def _reshaped(op):
-    return lambda t, *a, **k: _like(t, getattr(t._data, op)(*a, **k))
-
-
-def _split(t, split_size, dim=0):
-    return [_like(t, d) for d in t._data.split(split_size, dim)]
-
-
-def _cat(tensors, dim=0):
-    if not all(isinstance(x, Float8Tensor) for x in tensors):
-        return NotImplemented
-    first = tensors[0]
-    same = all(x._data.dtype == first._data.dtype and x.dtype == first.dtype and x.device == first.device
-               and torch.equal(x.scale_inv, first.scale_inv) for x in tensors)
-    if not same:
-        return NotImplemented  # different scales: concatenate the values in high precision
-    return _like(first, torch.cat([x._data for x in tensors], dim))
-
-
-def _to_copy(t, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
-    if dtype is not None and dtype != t.dtype:
-        return NotImplemented  # another dtype: the values, converted
-    data = t._data.to(device=device or t.device, non_blocking=non_blocking)
-    return _like(t, data, t.scale_inv.to(device=data.device, non_blocking=non_blocking),
-                 None if t._transpose is None else t._transpose.to(device=data.device, non_blocking=non_blocking))
-
-
-def _copy_(dst, src, non_blocking=False):
-    if not isinstance(dst, Float8Tensor):
-        return NotImplemented  # dst plain: it takes src's values
-    if isinstance(src, Float8Tensor) and src._data.dtype == dst._data.dtype and src.shape == dst.shape:
-        dst._data.copy_(src._data, non_blocking=non_blocking)  # the same format: bytes and scale move exactly
-        dst._scale_inv.copy_(src.scale_inv, non_blocking=non_blocking)
-        dst._transpose = None if src._transpose is None else src._transpose.clone()
-        return dst
-    values = src.dequantize_impl(src.dtype) if isinstance(src, Float8Tensor) else src
-    return dst.quantize_(values.to(device=dst.device))
-
-
-_HANDLERS = {
-    aten.detach.default: _detach,
-    aten.clone.default: _clone,
-    aten.view.default: _view,
-    aten._unsafe_view.default: _view,
-    aten.t.default: _reshaped("t"),
-    aten.transpose.int: _reshaped("transpose"),
-    aten.permute.default: _reshaped("permute"),
-    aten.slice.Tensor: lambda t, dim=0, start=None, end=None, step=1: _like(t, aten.slice.Tensor(t._data, dim, start,
-                                                                                                  end, step)),
-    aten.select.int: lambda t, dim, index: _like(t, t._data.select(dim, index)),
-    aten.split.Tensor: _split,
-    aten.split_with_sizes.default: lambda t, sizes, dim=0: [_like(t, d) for d in t._data.split(list(sizes), dim)],
-    aten.cat.default: _cat,
-    aten._to_copy.default: _to_copy,
-    aten.copy_.default: _copy_,
-}
-
-
-# ---- FSDP2 (fully_shard) support: the operations FSDP2 applies to a parameter it shards and gathers -----------------
-# (the all-gather extension itself, `fsdp_pre_all_gather` / `fsdp_post_all_gather`, lives in fp8kit/pytorch/fsdp.py).
-# Sharding takes `torch.chunk` (split, above), `new_zeros` for the padded shard, `narrow`
-# (slice, above) + `copy_` into it, `view(-1)`; the gathered parameter is an `as_strided` view of the all-gather
-# output. All stay FP8: new tensors share the source's scale value (a copy) and quantizer.
-
-def _fresh(t, size, dtype, device, pin_memory, fill):
-    """A new Float8Tensor of `size` like `t` (its format, scale value and quantizer), or NotImplemented when another
-    nominal dtype is asked for (then the op runs on dequantized values and returns a plain tensor)."""
-    if dtype is not None and dtype != t.dtype:
-        return NotImplemented
-    device = t.device if device is None else torch.device(device)
-    data = (torch.zeros if fill else torch.empty)(tuple(size), dtype=t._data.dtype, device=device,
-                                                  pin_memory=bool(pin_memory))
-    return _like(t, data, t.scale_inv.detach().clone().to(device))
-
-
-def _as_strided(t, size, stride, storage_offset=None):
-    # the wrapper's storage offset 0 is the data's first element (Float8Tensor wrappers start at offset 0)
-    offset = t._data.storage_offset() + (0 if storage_offset is None else storage_offset - t.storage_offset())
-    return _like(t, t._data.as_strided(size, stride, offset))
-
-
-_HANDLERS.update({
-    aten.new_zeros.default: lambda t, size, *, dtype=None, layout=None, device=None, pin_memory=None:
-        _fresh(t, size, dtype, device, pin_memory, True),
-    aten.new_empty.default: lambda t, size, *, dtype=None, layout=None, device=None, pin_memory=None:
-        _fresh(t, size, dtype, device, pin_memory, False),
-    aten.empty_like.default: lambda t, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None:
-        _fresh(t, t.shape, dtype, device, pin_memory, False),
-    aten.as_strided.default: _as_strided,
-    aten._pin_memory.default: lambda t, device=None: _like(t, t._data.pin_memory(), t.scale_inv.pin_memory()),
-})
+_HANDLERS: dict = {}  # aten op -> handler keeping the data FP8; filled by fp8kit/pytorch/tensor/float8_ops.py
 
 
 # ---- quantizers -------------------------------------------------------------------------------------------------
@@ -269,6 +220,38 @@ def _check(tensor: torch.Tensor, where: str) -> torch.Tensor:
     if isinstance(tensor, QuantizedTensor):
         tensor = tensor.dequantize_impl(tensor.dtype)
     return tensor.detach()
+
+
+def _after_update(quantizer, dst, q) -> None:
+    """What an in-place update resets besides the bytes and scale: the format (a quantizer may write another one,
+    as in Transformer Engine), cached values, the transpose (remade for column-wise use)."""
+    dst._fp8_dtype = q._fp8_dtype
+    dst._scale_inv_value = None
+    dst._values = None
+    dst._codes_finite = False
+    dst._transpose = None
+    dst._transpose_invalid = True
+    if quantizer.columnwise_usage:
+        dst.with_transpose()
+
+
+def _update_unless(quantizer, src, dst, skip: torch.Tensor):
+    """`update_quantized` where `skip` (a 0-d bool device tensor) decides on the device: the cast runs and each
+    buffer (bytes, scale_inv, the quantizer's amax) keeps its old value where `skip` holds."""
+    amax = getattr(quantizer, "amax", None)
+    old_amax = None if amax is None else amax.detach().clone()
+    if dst._fp8_dtype != quantizer.dtype:
+        raise TypeError(f"{type(quantizer).__name__}.update_quantized with a noop_flag on the device cannot change "
+                        f"the format ({dst._fp8_dtype.name} -> {quantizer.dtype.name})")
+    q = quantizer._cast(src)
+    with torch.no_grad():
+        dst._data.copy_(torch.where(skip, dst._data, q._data))
+        inv = dst.scale_inv
+        inv.copy_(torch.where(skip, inv, q.scale_inv.to(inv.device)))
+        if old_amax is not None:
+            amax.copy_(torch.where(skip.to(amax.device), old_amax, amax))
+    _after_update(quantizer, dst, q)
+    return dst
 
 
 class _PerTensorQuantizer(Quantizer):
@@ -293,26 +276,27 @@ class _PerTensorQuantizer(Quantizer):
         if not isinstance(dst, Float8TensorStorage):
             raise TypeError(f"{type(self).__name__}.update_quantized: dst must be a Float8Tensor, got "
                             f"{type(dst).__name__}")
-        if noop_flag is not None and bool(noop_flag.reshape(-1)[0] != 0):
-            return dst
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"{type(self).__name__}.update_quantized: src shape {tuple(src.shape)} differs from "
                              f"dst {tuple(dst.shape)}")
-        q = self._cast(_check(src, type(self).__name__).to(device=dst.device))
-        if dst._data.dtype != q._data.dtype:
-            raise TypeError(f"{type(self).__name__}.update_quantized: dst holds {dst._data.dtype}, the quantizer "
-                            f"makes {q._data.dtype}")
+        src = _check(src, type(self).__name__).to(device=dst.device)
+        if noop_flag is not None:
+            if not isinstance(noop_flag, torch.Tensor) or noop_flag.numel() != 1:
+                raise TypeError(f"{type(self).__name__}.update_quantized: noop_flag must be a tensor with one "
+                                f"element, got {getattr(noop_flag, 'shape', type(noop_flag))}")
+            if noop_flag.device.type == "cpu" and not torch.compiler.is_compiling():
+                if bool(noop_flag.reshape(()) != 0):
+                    return dst
+            else:  # on the device, without a host read (CUDA graphs replay it with either value)
+                return _update_unless(self, src, dst, noop_flag.reshape(()) != 0)
+        q = self._cast(src)
         with torch.no_grad():
             dst._data.copy_(q._data)
             if dst._scale_inv is None:
                 dst._scale_inv = q.scale_inv.clone()
             else:
                 dst._scale_inv.copy_(q.scale_inv)
-        dst._scale_inv_value = None
-        dst._values = None
-        dst._transpose = None
-        if self.columnwise_usage:
-            dst.with_transpose()
+        _after_update(self, dst, q)
         return dst
 
     def quantize_impl(self, tensor: torch.Tensor):
@@ -320,8 +304,9 @@ class _PerTensorQuantizer(Quantizer):
 
     def make_empty(self, shape: Iterable[int], *, dtype: torch.dtype = torch.float32, device=None,
                    requires_grad: bool = False, pin_memory: bool = False):
-        data = torch.empty(tuple(shape), dtype=self.fp8_torch_dtype, device=device, pin_memory=pin_memory)
-        q = Float8TensorStorage(data=data, fp8_scale_inv=torch.ones(1, device=data.device), fake_dtype=dtype)
+        data = torch.empty(tuple(shape), dtype=torch.uint8, device=device, pin_memory=pin_memory)
+        q = Float8TensorStorage(data=data, fp8_scale_inv=torch.ones(1, device=data.device), fp8_dtype=self.dtype,
+                                fake_dtype=dtype)
         out = self._finish(q)
         if requires_grad and not self.internal:
             out.requires_grad_(True)

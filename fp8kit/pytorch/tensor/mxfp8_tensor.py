@@ -162,18 +162,7 @@ class MXFP8Quantizer(BlockQuantizer):
     def get_columnwise_shape(self, shape: Iterable[int]) -> Tuple[int, ...]:
         return tuple(shape)
 
-    def is_quantizable(self, inp: torch.Tensor) -> bool:
-        """Whether `inp` has the dims MXFP8 needs (>= 2 dims, flattened dims multiples of 32)."""
-        if inp.dim() < 2:
-            return False
-        m, k = _flat2d(inp.shape)
-        return m % bc.MXFP8_BLOCK == 0 and k % bc.MXFP8_BLOCK == 0
-
-    def _shape_error(self, x: torch.Tensor) -> Optional[str]:
-        if self.is_quantizable(x):
-            return None
-        return (f"MXFP8 requires tensor dims that are divisible by {bc.MXFP8_BLOCK} (at least 2 dims; the flattened "
-                f"first dims and the last dim), got shape {tuple(x.shape)}")
+    _dims_multiple_of = ("MXFP8", bc.MXFP8_BLOCK)
 
     def _fields(self, x: torch.Tensor) -> dict:
         """The four TE fields for the high-precision `x`."""

@@ -2,7 +2,9 @@
 
 This is what fp8kit's GEMMs and autograd Functions pass around (cheap to create: no torch.Tensor subclass), as
 Transformer Engine's internal storages are; `fp8kit.pytorch.tensor.Float8Tensor` is the same data as a torch.Tensor
-subclass for users. Field names follow Transformer Engine (`_data`, `_scale_inv`, `_fp8_dtype`, `_transpose`).
+subclass for users. Field names and layout follow Transformer Engine: `_data` (and `_transpose`) hold the raw bytes
+as `torch.uint8`, `_fp8_dtype` names the format (a `DType`), `_scale_inv`, `_transpose_invalid`, `_quantizer`.
+Computations take FP8-typed views (`fp8_view()`: `_data.view(fp8_dtype)`, no copy).
 """
 
 from __future__ import annotations
@@ -12,10 +14,11 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from ..constants import DType, te_dtype
+from ..constants import DType, fp8_torch_dtype, te_dtype
 from ..quantized_tensor import QuantizedTensorStorage
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_TORCH_OF = {DType.kFloat8E4M3: torch.float8_e4m3fn, DType.kFloat8E5M2: torch.float8_e5m2}
 _TE_DTYPE = {dtype: te_dtype(dtype) for dtype in FP8_DTYPES}
 
 __all__ = ["Float8TensorStorage", "FP8_DTYPES", "widen"]
@@ -25,14 +28,19 @@ class Float8TensorStorage(QuantizedTensorStorage):
     """A quantized tensor: `real ~= float32(_data) * _scale_inv`.
 
     Fields:
-      _data: the FP8 values, dtype `torch.float8_e4m3fn` or `torch.float8_e5m2`, any shape (the nominal shape).
+      _data: the FP8 bytes as `torch.uint8`, any shape (the nominal shape); `fp8_view()` reads them as the format.
       _scale_inv: float32 tensor of shape `[1]`, `float32(1 / scale)` taken at cast time (made lazily from
         `_scale_inv_value` on the CPU fast path).
       _fp8_dtype: the format as a `DType` (kFloat8E4M3 or kFloat8E5M2).
       _dtype: the nominal high-precision dtype the tensor stands for (what `dequantize()` returns by default).
-      _transpose: None, or the FP8 bytes of the transpose, contiguous: `_data.reshape(-1, n).t()` laid out row-major,
-        as the fused cast+transpose kernels write it. The GEMM takes a column-major operand from it.
+      _transpose: None, or the FP8 bytes (uint8) of the transpose, contiguous: `_data.reshape(-1, n).t()` laid out
+        row-major, as the fused cast+transpose kernels write it. The GEMM takes a column-major operand from it.
+      _transpose_invalid: True when `_transpose` is absent or stale (Transformer Engine's flag).
       _quantizer: the quantizer that made it (in-place updates and `copy_` use it), or None.
+
+    Constructor (Transformer Engine's keywords): `data` the bytes as uint8 with `fp8_dtype` a `DType`
+    (kFloat8E4M3 / kFloat8E5M2) or a torch float8 dtype; a float8-typed `data` is also taken (its bytes are kept as
+    uint8 and its dtype names the format). `data_transpose` likewise.
     """
 
     def __init__(self, *, data: torch.Tensor, fp8_scale_inv: Optional[torch.Tensor] = None, fp8_dtype=None,
@@ -42,19 +50,18 @@ class Float8TensorStorage(QuantizedTensorStorage):
 
     def _set_fields(self, data, fp8_scale_inv, fp8_dtype, fake_dtype, data_transpose, quantizer,
                     scale_inv_value) -> None:
-        if not isinstance(data, torch.Tensor) or data.dtype not in FP8_DTYPES:
-            raise TypeError(f"Float8Tensor data must be a float8_e4m3fn or float8_e5m2 tensor, got "
-                            f"{getattr(data, 'dtype', type(data))}")
-        if fp8_dtype is not None and DType.cast(fp8_dtype) != te_dtype(data.dtype):
-            raise TypeError(f"Float8Tensor fp8_dtype {fp8_dtype!r} does not match the data's {data.dtype}")
+        data, fmt = _bytes_and_format(data, fp8_dtype, "data")
         if data_transpose is not None:
+            data_transpose, fmt_t = _bytes_and_format(
+                data_transpose, fmt if getattr(data_transpose, "dtype", None) == torch.uint8 else None,
+                "data_transpose")
             n = data.shape[-1] if data.dim() else 1
             want = (n, data.numel() // n if n else 0)
-            if data_transpose.dtype != data.dtype or tuple(data_transpose.shape) != want \
+            if fmt_t != fmt or tuple(data_transpose.shape) != want \
                     or not data_transpose.is_contiguous() or data_transpose.device != data.device:
                 raise ValueError(
-                    f"Float8Tensor data_transpose must be a contiguous {data.dtype} tensor of shape {want} on "
-                    f"{data.device} (the transpose of data {tuple(data.shape)}), got {data_transpose.dtype} "
+                    f"Float8Tensor data_transpose must be a contiguous tensor of {fmt.name} bytes of shape {want} on "
+                    f"{data.device} (the transpose of data {tuple(data.shape)}), got {fmt_t.name} "
                     f"{tuple(data_transpose.shape)} contiguous={data_transpose.is_contiguous()} on "
                     f"{data_transpose.device}")
         if fp8_scale_inv is None:
@@ -65,16 +72,18 @@ class Float8TensorStorage(QuantizedTensorStorage):
             raise TypeError(
                 f"Float8Tensor fp8_scale_inv must be one float32 element, got {getattr(fp8_scale_inv, 'dtype', None)} "
                 f"of shape {tuple(getattr(fp8_scale_inv, 'shape', ()))}")
-        self._assign(data, fp8_scale_inv if fp8_scale_inv is None or fp8_scale_inv.dim() == 1
+        self._assign(data, fmt, fp8_scale_inv if fp8_scale_inv is None or fp8_scale_inv.dim() == 1
                      else fp8_scale_inv.reshape(1), fake_dtype if fake_dtype is not None else torch.float32,
                      data_transpose, quantizer, scale_inv_value)
 
-    def _assign(self, data, scale_inv, fake_dtype, data_transpose, quantizer, scale_inv_value) -> None:
+    def _assign(self, data, fmt, scale_inv, fake_dtype, data_transpose, quantizer, scale_inv_value) -> None:
+        """Set every field: `data` (and `data_transpose`) uint8 bytes of the format `fmt` (a DType)."""
         self._data = data
         self._scale_inv = scale_inv
-        self._fp8_dtype = _TE_DTYPE[data.dtype]
+        self._fp8_dtype = fmt
         self._dtype = fake_dtype
         self._transpose = data_transpose
+        self._transpose_invalid = data_transpose is None
         self._quantizer = quantizer
         self._values = None  # the unscaled FP8 values in a wider dtype, made once by the CPU GEMM (see `values`)
         # True when the cast that wrote `_data` knows it holds no NaN/inf code (a saturating cast of a NaN-free
@@ -87,9 +96,12 @@ class Float8TensorStorage(QuantizedTensorStorage):
 
     @classmethod
     def trusted(cls, data: torch.Tensor, scale_inv: torch.Tensor, fake_dtype: torch.dtype) -> "Float8TensorStorage":
-        """A storage of FP8 `data` and float32 `[1]` `scale_inv` made by fp8kit's own casts (no checks)."""
+        """A storage of FP8-typed `data` (kept as its uint8 bytes) and float32 `[1]` `scale_inv` made by fp8kit's own
+        casts (no checks)."""
         self = cls.__new__(cls)
-        self._assign(data, scale_inv, fake_dtype, None, None, None)
+        raw, fmt = data.view(torch.uint8), _TE_DTYPE[data.dtype]
+        self._assign(raw, fmt, scale_inv, fake_dtype, None, None, None)
+        self._fp8_view_memo = (raw, fmt, data)  # the cast's FP8-typed tensor is the view (no second view op)
         return self
 
     # ---- reading ----
@@ -108,8 +120,22 @@ class Float8TensorStorage(QuantizedTensorStorage):
 
     @property
     def fp8_dtype(self) -> torch.dtype:
-        """The torch float8 dtype of the data."""
-        return self._data.dtype
+        """The torch float8 dtype the bytes hold (`torch.float8_e4m3fn` or `torch.float8_e5m2`)."""
+        return _TORCH_OF[self._fp8_dtype]
+
+    def fp8_view(self) -> torch.Tensor:
+        """`_data` read as its FP8 format (a view, no copy; the same view object while `_data` and the format stay,
+        so that a saved operand can be recognised by identity)."""
+        data, fmt = self._data, self._fp8_dtype
+        memo = getattr(self, "_fp8_view_memo", None)
+        if memo is None or memo[0] is not data or memo[1] is not fmt:
+            memo = self._fp8_view_memo = (data, fmt, None if data is None else data.view(_TORCH_OF[fmt]))
+        return memo[2]
+
+    def transpose_view(self) -> Optional[torch.Tensor]:
+        """`_transpose` read as its FP8 format (a view), or None when there is no valid one."""
+        t = self._transpose
+        return None if t is None or self._transpose_invalid else t.view(_TORCH_OF[self._fp8_dtype])
 
     @property
     def dtype(self) -> torch.dtype:
@@ -129,7 +155,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return self.dequantize_impl(self._dtype if dtype is None else dtype)
 
     def dequantize_impl(self, dtype: torch.dtype) -> torch.Tensor:
-        return (widen(self._data, torch.float32) * self.scale_inv.reshape(())).to(dtype)
+        return (widen(self.fp8_view(), torch.float32) * self.scale_inv.reshape(())).to(dtype)
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
         """The unscaled FP8 values as `dtype` (exact for bf16, fp16 and fp32), converted once and kept, so that a
@@ -140,20 +166,21 @@ class Float8TensorStorage(QuantizedTensorStorage):
             if source is not None and source._data is not None:  # kept on the untransposed tensor, for its next use
                 cached = self._values = source.values(dtype).t()
             else:
-                cached = self._values = widen(self._data, dtype, self._codes_finite)
+                cached = self._values = widen(self.fp8_view(), dtype, self._codes_finite)
         return cached
 
     def transposed(self) -> "Float8TensorStorage":
         """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared.
         With `_transpose` the two layouts swap roles (no copy)."""
-        data = self._data
-        if self._transpose is not None and data.dim() == 2:
+        data, fmt = self._data, self._fp8_dtype
+        if self._transpose is not None and not self._transpose_invalid and data.dim() == 2:
             keep = data if data.is_contiguous() else None
-            out = Float8TensorStorage(data=self._transpose, fp8_scale_inv=self._scale_inv, fake_dtype=self._dtype,
-                                      data_transpose=keep, scale_inv_value=self._scale_inv_value)
-        else:
-            out = Float8TensorStorage(data=data.t(), fp8_scale_inv=self._scale_inv, fake_dtype=self._dtype,
+            out = Float8TensorStorage(data=self._transpose, fp8_scale_inv=self._scale_inv, fp8_dtype=fmt,
+                                      fake_dtype=self._dtype, data_transpose=keep,
                                       scale_inv_value=self._scale_inv_value)
+        else:
+            out = Float8TensorStorage(data=data.t(), fp8_scale_inv=self._scale_inv, fp8_dtype=fmt,
+                                      fake_dtype=self._dtype, scale_inv_value=self._scale_inv_value)
         if self._values is not None:
             out._values = self._values.t()
         elif self._transpose is None and self._data.device.type == "cpu":
@@ -164,18 +191,41 @@ class Float8TensorStorage(QuantizedTensorStorage):
     def with_transpose(self) -> "Float8TensorStorage":
         """Self with `_transpose` made (a copy of the transposed bytes) when it lives off the CPU, where the GEMMs
         read it; CPU tensors are returned as they are (the emulated GEMM reads any layout)."""
-        if self._transpose is None and self._data.device.type != "cpu":
-            n = self._data.shape[-1] if self._data.dim() else 1
-            self._transpose = self._data.reshape(math.prod(self._data.shape[:-1]), n).t().contiguous()  # n may be 0
+        if (self._transpose is None or self._transpose_invalid) and self._data.device.type != "cpu":
+            self._create_transpose()
         return self
+
+    def _create_transpose(self) -> None:
+        """Make `_transpose` from `_data` (a copy of the transposed bytes) and mark it valid."""
+        n = self._data.shape[-1] if self._data.dim() else 1
+        self._transpose = self._data.reshape(math.prod(self._data.shape[:-1]), n).t().contiguous()  # n may be 0
+        self._transpose_invalid = False
+
+    def get_data_tensors(self, rowwise_data: bool = True, columnwise_data: bool = True):
+        """`(_data, _transpose)`, or one of them (Transformer Engine's accessor)."""
+        if rowwise_data and columnwise_data:
+            return self._data, self._transpose
+        if rowwise_data:
+            return self._data
+        if columnwise_data:
+            return self._transpose
+        raise ValueError("get_data_tensors: rowwise_data and columnwise_data are both False")
+
+    def get_metadata(self) -> dict:
+        """The constructor's keywords that rebuild this tensor over the same buffers."""
+        return {"data": self._data, "fp8_scale_inv": self.scale_inv, "fp8_dtype": self._fp8_dtype,
+                "data_transpose": None if self._transpose_invalid else self._transpose,
+                "quantizer": self._quantizer, "fake_dtype": self._dtype}
 
     # ---- an FP8 operand saved for the backward GEMMs (fp8kit's Linear function) ----
 
     def saved_form(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(bytes, scale tensor) to hand to `ctx.save_for_backward`: the transpose seen as a column-major view when
-        the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes; the scale
-        tensor may be None on the host path, where `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
-        return (self._transpose.t() if self._transpose is not None else self._data), self._scale_inv
+        the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes, both as
+        FP8-typed views (they carry the format); the scale tensor may be None on the host path, where
+        `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
+        t = self.transpose_view()
+        return (t.t() if t is not None else self.fp8_view()), self._scale_inv
 
     @staticmethod
     def from_saved(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
@@ -194,12 +244,32 @@ class Float8TensorStorage(QuantizedTensorStorage):
     def restore_from_saved(self, tensors: List[Optional[torch.Tensor]]) -> List[Optional[torch.Tensor]]:
         """Take back the tensors `prepare_for_saving` gave; returns the rest of the list."""
         self._data, self._transpose, self._scale_inv = tensors[0], tensors[1], tensors[2]
+        self._transpose_invalid = self._transpose is None
         return tensors[3:]
 
     def __repr__(self) -> str:
         inv = self._scale_inv_value if self._scale_inv is None else float(self._scale_inv.reshape(()))
         return (f"Float8TensorStorage(shape={tuple(self._data.shape)}, fp8_dtype={self._fp8_dtype.name}, "
                 f"scale_inv={inv:.6g}, dtype={self._dtype})")
+
+
+def _bytes_and_format(data, fp8_dtype, name: str):
+    """(`data` as uint8 bytes, its format as a DType): uint8 `data` with `fp8_dtype` naming the format, or
+    float8-typed `data` (whose dtype names it; `fp8_dtype`, if given, must agree)."""
+    if not isinstance(data, torch.Tensor):
+        raise TypeError(f"Float8Tensor {name} must be a tensor, got {type(data).__name__}")
+    if data.dtype == torch.uint8:
+        if fp8_dtype is None:
+            raise TypeError(f"Float8Tensor: uint8 {name} needs fp8_dtype (DType.kFloat8E4M3 or kFloat8E5M2) to name "
+                            "the format")
+        return data, te_dtype(fp8_torch_dtype(fp8_dtype, "Float8Tensor fp8_dtype"))
+    if data.dtype not in FP8_DTYPES:
+        raise TypeError(f"Float8Tensor {name} must hold uint8 bytes (with fp8_dtype) or a float8_e4m3fn / "
+                        f"float8_e5m2 tensor, got {data.dtype}")
+    fmt = te_dtype(data.dtype)
+    if fp8_dtype is not None and DType.cast(fp8_dtype) != fmt:
+        raise TypeError(f"Float8Tensor fp8_dtype {fp8_dtype!r} does not match the {name}'s {data.dtype}")
+    return data.view(torch.uint8), fmt
 
 
 # Large CPU tensors widen by bit manipulation: torch's FP8 conversion is a per-element loop, several times slower

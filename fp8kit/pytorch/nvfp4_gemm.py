@@ -1,0 +1,79 @@
+"""NVFP4 x NVFP4 GEMM, emulated with torch operations on any device (no host synchronisation), in the order of
+Transformer Engine's reference (pytorch/custom_recipes/reference_nvfp4.py, `qgemm`):
+
+`nvfp4_gemm(a, b)` computes `A @ B^T` for A (M, K) and B (N, K), each an NVFP4 layout (E2M1 values, E4M3 scale per
+16 along K, float32 amax):
+1. per 16-wide K block j: `P_j = A[:, j] @ B[:, j]^T` from the E2M1 values. Every product of two E2M1 values is a
+   multiple of 1/4 below 36, so a sum of 16 is exact in float32, in any order.
+2. `y = y + (sa_j * sb_j) * P_j` in float32, j increasing (sa_j, sb_j the decoded E4M3 scales of A's rows and
+   B's rows; their product and its product with P_j are exact in float32, so only the additions round).
+3. `y = alpha * y` with `alpha = float32(amax_a * amax_b) / (6 * 6 * 448 * 448)` (each operand's amax of the layout
+   used), then the bias in float32, then the output dtype; with `accumulate`, `out + y.to(out.dtype)`.
+Dims: K a multiple of 32 and N of 8, as TE's NVFP4 GEMM requires (refused otherwise).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .block_gemm import gemm_epilogue
+from .nvfp4_cast import NVFP4_BLOCK
+from .tensor.block_storage import TransposedBlockOperand
+from .tensor.nvfp4_tensor import NVFP4TensorStorage
+
+__all__ = ["nvfp4_gemm", "nvfp4_gemm_rule"]
+
+_CHUNK_ELEMENTS = 1 << 24  # partial products per batch of K blocks: at most 64 MiB of float32
+_ALPHA_DIVISOR = 6.0 * 6.0 * 448.0 * 448.0
+
+
+def _operand(t, columnwise: bool):
+    if not isinstance(t, NVFP4TensorStorage):
+        raise TypeError(f"nvfp4_gemm: expected an NVFP4 tensor, got {type(t).__name__}")
+    return t.layout(columnwise)
+
+
+def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
+               out_dtype: torch.dtype = torch.float32, bias: Optional[torch.Tensor] = None,
+               out: Optional[torch.Tensor] = None, accumulate: bool = False) -> torch.Tensor:
+    """`A @ B^T` (M, N): A is `a`'s rowwise layout (its columnwise one with `transpose_a`), B likewise for `b`. The
+    accumulation of the module docstring."""
+    va, sa, amax_a = _operand(a, transpose_a)
+    vb, sb, amax_b = _operand(b, transpose_b)
+    m, k = va.shape
+    n = vb.shape[0]
+    if vb.shape[1] != k:
+        raise ValueError(f"nvfp4_gemm: contraction dims differ: A is {tuple(va.shape)}, B is {tuple(vb.shape)}")
+    if k % 32 or n % 8:
+        raise ValueError(f"nvfp4_gemm: NVFP4 GEMMs need K divisible by 32 and N by 8 (as Transformer Engine's), "
+                         f"got M={m}, N={n}, K={k}")
+    nb = k // NVFP4_BLOCK
+    y = torch.zeros(m, n, dtype=torch.float32, device=va.device)
+    per_chunk = max(1, _CHUNK_ELEMENTS // max(m * n, 1))
+    ab = va.reshape(m, nb, NVFP4_BLOCK).transpose(0, 1)
+    bb = vb.reshape(n, nb, NVFP4_BLOCK).permute(1, 2, 0)
+    for first in range(0, nb, per_chunk):
+        last = min(nb, first + per_chunk)
+        partial = torch.bmm(ab[first:last], bb[first:last])  # exact in float32
+        for j in range(first, last):
+            y = y + (sa[:, j, None] * sb[None, :, j]) * partial[j - first]
+    alpha = (amax_a * amax_b) / _ALPHA_DIVISOR
+    return gemm_epilogue(alpha * y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
+
+
+def _unwrap(t):
+    if isinstance(t, TransposedBlockOperand):
+        return t.storage, True
+    return t, False
+
+
+def nvfp4_gemm_rule(a, b, out_dtype: torch.dtype, bias: Optional[torch.Tensor] = None,
+                    use_fast_accum: bool = False) -> torch.Tensor:
+    """The GEMM rule of NVFP4 operands: `a @ b` for a (M, K) and b (K, N), each an NVFP4 tensor flattened to 2-D or
+    its `.transposed()` view (A's rows from `a`'s rowwise layout, B's columns from `b`'s columnwise layout, the
+    other layout for a transposed view). `use_fast_accum` changes nothing (float32 accumulation)."""
+    a_storage, a_t = _unwrap(a)
+    b_storage, b_t = _unwrap(b)
+    return nvfp4_gemm(a_storage, b_storage, transpose_a=a_t, transpose_b=not b_t, out_dtype=out_dtype, bias=bias)

@@ -1,0 +1,57 @@
+"""The NVFP4 recipe family as fp8kit's modules use it: per-role quantizers from an `NVFP4BlockScaling` recipe and
+the GEMM rule of NVFP4 operands, registered through the seam (`recipe_families.register_recipe_family`,
+`gemm.register_gemm_rule`).
+
+Transformer Engine's choices (pytorch/quantization.py): each role's quantizer takes its QParams
+(`fp4_quant_fwd_inp`, `fp4_quant_fwd_weight`, `fp4_quant_bwd_grad`): `random_hadamard_transform` (the columnwise
+usage, read by the wgrad GEMM, is transformed and its amax taken after the transform), `fp4_2d_quantization` (16x16
+blocks) and `stochastic_rounding`. By default: input RHT; weight 16x16 blocks; grad RHT and stochastic rounding.
+Stochastic rounding draws from torch's default generator of the tensor's device, so a recompute that restores the
+RNG state (te.checkpoint) draws the same numbers.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+from ..recipe import NVFP4BlockScaling
+from .block_families import block_plan
+from .block_recipes import RoleQuantizer
+from .gemm import register_gemm_rule
+from .nvfp4_gemm import nvfp4_gemm_rule
+from .recipe_families import register_recipe_family
+from .tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4TensorStorage, TransposedNVFP4Operand
+
+__all__ = ["nvfp4_role_quantizers"]
+
+
+def _quantizer(qparams) -> NVFP4Quantizer:
+    rht = bool(qparams.random_hadamard_transform)
+    return NVFP4Quantizer(rowwise=True, columnwise=True, with_rht=rht, with_post_rht_amax=rht,
+                          with_2d_quantization=bool(qparams.fp4_2d_quantization),
+                          stochastic_rounding=bool(qparams.stochastic_rounding))
+
+
+def nvfp4_role_quantizers(recipe) -> Tuple[RoleQuantizer, RoleQuantizer, RoleQuantizer]:
+    """(input, weight, grad_output) quantizers of a Linear-like GEMM under an NVFP4BlockScaling `recipe` (read by
+    attribute: `fp4_quant_fwd_inp`, `fp4_quant_fwd_weight`, `fp4_quant_bwd_grad`)."""
+    return tuple(RoleQuantizer(_quantizer(q)) for q in
+                 (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad))
+
+
+def _quantizers(call, gemm: int):
+    return nvfp4_role_quantizers(call.frame.recipe)
+
+
+def _plan(plan, recipe, module, call) -> None:
+    """The block families' options (float32 accumulation, `backward_override`); `row_scaled_activation` (one amax
+    per row) is not implemented: refused."""
+    if recipe.row_scaled_activation:
+        raise NotImplementedError("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4 activations are "
+                                  "not implemented in fp8kit")
+    block_plan(plan, recipe, module, call)
+
+
+register_gemm_rule(NVFP4TensorStorage, nvfp4_gemm_rule)
+register_gemm_rule(TransposedNVFP4Operand, nvfp4_gemm_rule)
+register_recipe_family(NVFP4BlockScaling, _quantizers, _plan)

@@ -1,0 +1,44 @@
+"""tools/te_tests.py's rewrite rules (imports renamed, cuda -> cpu, nothing else) and its grouping of failures."""
+
+import importlib.util
+import pathlib
+
+import pytest
+
+_PATH = pathlib.Path(__file__).parents[1] / "tools" / "te_tests.py"
+_SPEC = importlib.util.spec_from_file_location("te_tests_tool", _PATH)
+tool = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(tool)
+
+
+@pytest.mark.parametrize("before,after", [
+    ("import transformer_engine.pytorch as te", "import fp8kit.pytorch as te"),
+    ("from transformer_engine.common import recipe", "from fp8kit import recipe"),
+    ("transformer_engine.common.recipe.DelayedScaling(", "fp8kit.recipe.DelayedScaling("),
+    ("from transformer_engine.pytorch.module.base import x", "from fp8kit.pytorch.modules.base import x"),
+    ("import transformer_engine\n", "import fp8kit\n"),
+    ("import transformer_engine_torch as tex", "import transformer_engine_torch as tex"),
+    ('torch.randn(3, device="cuda")', 'torch.randn(3, device="cpu")'),
+    ("x.to('cuda:1')", 'x.to("cpu")'),
+    ("model.cuda()", "model.cpu()"),
+    ("torch.cuda.synchronize()", "torch.cpu.synchronize()"),
+    ("torch.cuda.manual_seed(1)", "torch.manual_seed(1)"),
+    ("torch.cuda.get_rng_state()", "torch.get_rng_state()"),
+    ("if torch.cuda.get_device_capability() >= (9, 0):", "if (0, 0) >= (9, 0):"),
+    ("sm80 = get_device_compute_capability() >= (8, 0)", "sm80 = (0, 0) >= (8, 0)"),
+    ("torch.cuda.CUDAGraph()", "torch.cuda.CUDAGraph()"),  # no CPU equivalent: left, reported as GPU-only
+    ("cuda_graph = 'cudagraphs'", "cuda_graph = 'cudagraphs'"),  # only whole "cuda" strings
+])
+def test_rewrite_rules(before, after):
+    assert tool.rewrite(before)[0] == after
+
+
+def test_rewrite_counts_the_rules_that_fired():
+    _, fired = tool.rewrite('import transformer_engine.pytorch as te\nx = y.cuda()\nz = "cuda"\n')
+    assert fired["I4"] == 1 and fired["C2"] == 1 and fired["C1"] == 1 and fired["C3"] == 0
+
+
+def test_cause_masks_numbers_but_not_names():
+    a = tool.cause("AssertionError: max diff 0.125 at index 17 in fp8kit.pytorch")
+    b = tool.cause("AssertionError: max diff 2.5e-07 at index 3 in fp8kit.pytorch")
+    assert a == b == "AssertionError: max diff N at index N in fp8kit.pytorch"
