@@ -118,12 +118,21 @@ def test_custom_recipe_needs_a_callable_factory():
 @pytest.mark.parametrize("field,value", [("nvfp4_4over6", "weights"), ("nvfp4_4over6", "all"),
                                          ("nvfp4_4over6_e4m3_use_256", "none"), ("nvfp4_4over6_err_mode", "MSE")])
 def test_nvfp4_4over6_options_not_implemented(field, value):
+    # constructed and assigned as in Transformer Engine (its tests build such a recipe at import) ...
+    r = NVFP4BlockScaling(**{field: value})
+    assert getattr(r, field) == value and r.unsupported_4over6() == f"{field}={value!r}"
+    default = NVFP4BlockScaling()
+    assert default.unsupported_4over6() is None
+    setattr(default, field, value)
+    assert default.unsupported_4over6() == f"{field}={value!r}"
+    # ... and refused, naming the field, by the first FP8 forward
+    import torch
+
+    import fp8kit.pytorch as te
+    layer = te.Linear(32, 32)
     with pytest.raises(NotImplementedError, match=field):
-        NVFP4BlockScaling(**{field: value})
-    r = NVFP4BlockScaling()
-    with pytest.raises(NotImplementedError, match=field):
-        setattr(r, field, value)
-    assert getattr(r, field) == TE_DEFAULTS[NVFP4BlockScaling][field]
+        with te.autocast(recipe=r):
+            layer(torch.randn(32, 32))
 
 
 def test_float8_block_split_accumulator_and_one_2d_operand():

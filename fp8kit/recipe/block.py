@@ -158,8 +158,10 @@ class NVFP4BlockScaling(Recipe):
       disable_stochastic_rounding: round gradients to nearest instead of stochastically.
       disable_2d_quantization: 1x16 blocks for weights too (by default weights use 16x16 blocks).
       row_scaled_activation: forward activations carry one float32 amax per row.
-      nvfp4_4over6, nvfp4_4over6_e4m3_use_256, nvfp4_4over6_err_mode: Transformer Engine's 4over6 options; only
-        their defaults ("none", "all", "MAE"): other values raise NotImplementedError naming the field.
+      nvfp4_4over6, nvfp4_4over6_e4m3_use_256, nvfp4_4over6_err_mode: Transformer Engine's 4over6 options,
+        validated as Transformer Engine does; fp8kit implements only their defaults ("none", "all", "MAE"): a recipe
+        with another value constructs (Transformer Engine's tests build one at import) and its first FP8 forward
+        raises NotImplementedError naming the field (`unsupported_4over6`).
       fp4_format: Format.E2M1 only. fp8_format: Format.E4M3 only (the block scales).
       fp8_dpa, fp8_mha: FP8 attention, not implemented. backward_override: None, "high_precision", "dequantized".
       fp4_quant_fwd_inp, fp4_quant_fwd_weight, fp4_quant_bwd_grad (keyword-only, also assignable as in Transformer
@@ -200,16 +202,20 @@ class NVFP4BlockScaling(Recipe):
                      "row_scaled_activation"):
             check_bool(name, getattr(self, name))
         for name, (default, choices) in _4OVER6.items():
-            check_choice(name, getattr(self, name), choices)
-            if getattr(self, name) != default:
-                raise NotImplementedError(f"{name}={getattr(self, name)!r}: NVFP4 4over6 block scaling is not "
-                                          f"implemented in fp8kit; leave {name}={default!r}")
+            check_choice(name, getattr(self, name), choices)  # other values: refused where quantizers are made
         check_format(self.fp4_format, (Format.E2M1,), "fp4_format")
         check_format(self.fp8_format, (Format.E4M3,))
         _common(self)
         self._fill_derived()
         for name in _FP4_ROLES:
             check_qparams(self, name, ("power_2_scale", "amax_epsilon"))
+
+    def unsupported_4over6(self) -> Optional[str]:
+        """The first 4over6 option set to a value fp8kit does not implement, as `name=value`, or None."""
+        for name, (default, _) in _4OVER6.items():
+            if getattr(self, name) != default:
+                return f"{name}={getattr(self, name)!r}"
+        return None
 
     def _make_repr(self) -> str:
         return (f"recipe_type={type(self).__name__}, fp4_format={self.fp4_format.name}, "
