@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..compiled import compiling
+from ..fp8_weights import check_quantized_weight, is_quantized_weight
 from ..distributed import TensorParallel, tensor_parallel
 from ..recipe_families import FAMILIES
 from ..tensor.float8_tensor import Float8Tensor
@@ -132,10 +133,10 @@ def check_operands(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Op
     if autocast_on:
         dtype = torch.get_autocast_dtype(inp.device.type)
         inp = inp.to(dtype)
-        if not isinstance(weight, Float8Tensor):  # an FP8 weight keeps its bytes (and its nominal dtype)
+        if not is_quantized_weight(weight):  # a quantized weight keeps its bytes (and its nominal dtype)
             weight = weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
-        if isinstance(weight, Float8Tensor):
+        if is_quantized_weight(weight):
             return inp, weight, bias
     if inp.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(
@@ -167,12 +168,9 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
         cached = _cached_weight(module, gemm, is_first_microbatch, frame.enabled, weight_q.fp8_dtype, weight_param)
         if cached is not None:
             call.reused_weight(gemm, cached)
-    if isinstance(weight_param, Float8Tensor):  # an FP8 weight (quantized_model_init): its bytes, no cast
-        if weight_param.fp8_dtype != weight_q.fp8_dtype:
-            raise TypeError(f"{type(module).__name__}: the FP8 weight holds {weight_param.fp8_dtype} but the recipe "
-                            f"casts weights to {weight_q.fp8_dtype}; create the model under quantized_model_init with "
-                            "a recipe of the same format")
-        cached = weight_param.storage_view()
+    if is_quantized_weight(weight_param):  # a weight made by quantized_model_init: its bytes, no cast
+        check_quantized_weight(module, weight_param, weight_q)
+        cached = weight_param.storage_view() if isinstance(weight_param, Float8Tensor) else weight_param
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
     FAMILIES[type(recipe)].configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input
