@@ -34,6 +34,10 @@ class RoleQuantizer:
     no calibration)."""
 
     __slots__ = ("quantizer", "fp8_dtype", "stats")
+    # Under sequence parallelism the tensor is all-gathered in high precision and quantized after: every block is
+    # then the full tensor's (a local block along the split dim could straddle ranks), as Transformer Engine does
+    # for Float8 block scaling.
+    gather_values = True
 
     def __init__(self, quantizer):
         quantizer.internal = True
