@@ -257,7 +257,8 @@ def _block_tp_case(mode, recipe):
             twin.bias.copy_(tp.bias)
     gen = torch.Generator().manual_seed(500)  # the same full tensors on every rank
     x, g = torch.randn(s, b, h_in, generator=gen), torch.randn(s, b, h_out, generator=gen)
-    seq, feat = slice(RANK * s // WORLD, (RANK + 1) * s // WORLD), slice(RANK * h_in // WORLD, (RANK + 1) * h_in // WORLD)
+    seq = slice(RANK * s // WORLD, (RANK + 1) * s // WORLD)
+    feat = slice(RANK * h_in // WORLD, (RANK + 1) * h_in // WORLD)
     out = slice(RANK * h_out // WORLD, (RANK + 1) * h_out // WORLD)
     x_in = (x[seq] if column else x[..., feat]).clone().requires_grad_()
     g_in = g[..., out] if column else g[seq]

@@ -13,7 +13,6 @@ import torch
 
 from ...recipe import DelayedScaling, Recipe
 from ..fp8_weights import is_quantized_weight, quantize_weight_parameter, quantized_init_settings
-from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8StateMixin
 from .linear_base import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore

@@ -21,7 +21,6 @@ from ...recipe import DelayedScaling
 from ..distributed import check_shared_scales, gather_with_grad, tensor_parallel
 from ..fp8_weights import is_quantized_weight, quantize_weight_parameter, quantized_init_settings
 from ..recompute import in_backward
-from ..tensor.float8_tensor import Float8Tensor
 from .activation import activation, activation_saving_input, check_activation, is_gated
 from .base import FP8StateMixin
 from .linear_base import linear_call, track_gemm_backwards

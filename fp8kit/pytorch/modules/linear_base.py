@@ -16,7 +16,6 @@ from ...recipe import DelayedScaling
 from ..distributed import check_shared_scales, tensor_parallel
 from ..fp8_weights import is_quantized_weight, quantize_weight_parameter, quantized_init_settings
 from ..gemm import check_cuda_shape
-from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8Call, FP8StateMixin
 from .linear_function import LinearPlan, WeightGradStore, fp8_linear
 from .setup import (
