@@ -241,3 +241,23 @@ def test_a_weight_the_format_cannot_hold_is_refused_naming_it():
     with pytest.raises(ValueError, match="weight.*MXFP8BlockScaling.*divisible by 32"):
         with te.quantized_model_init(recipe=MXFP8BlockScaling()):
             te.Linear(40, 64)
+
+
+@pytest.mark.parametrize("quantized", [False, True], ids=["high_precision", "quantized"])
+def test_is_first_microbatch_caches_block_weights(quantized):
+    """The weight cached by is_first_microbatch=True serves the next microbatches of the same recipe kind (NVFP4
+    included); under another block recipe the cache is not used (its operands are another family's)."""
+    torch.manual_seed(5)
+    nv = NVFP4BlockScaling()
+    with te.quantized_model_init(enabled=quantized, recipe=nv):
+        layer = te.Linear(64, 64)
+    x = torch.randn(32, 64)
+    with te.autocast(recipe=nv):
+        first = layer(x, is_first_microbatch=True)
+        assert torch.equal(layer(x, is_first_microbatch=False), first)
+    plain = te.Linear(64, 64)
+    with te.autocast(recipe=MXFP8BlockScaling()):
+        plain(x, is_first_microbatch=True)
+    with te.autocast(recipe=Float8BlockScaling()):
+        again, fresh = plain(x, is_first_microbatch=False), plain(x)
+    assert torch.equal(again, fresh)

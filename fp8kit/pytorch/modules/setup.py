@@ -165,7 +165,7 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
     if call.replay:
         cached = call.cached_weight(gemm)
     else:
-        cached = _cached_weight(module, gemm, is_first_microbatch, frame.enabled, weight_q.fp8_dtype, weight_param)
+        cached = _cached_weight(module, gemm, is_first_microbatch, frame.enabled, weight_q, weight_param)
         if cached is not None:
             call.reused_weight(gemm, cached)
     if is_quantized_weight(weight_param):  # a weight made by quantized_model_init: its bytes, no cast
@@ -203,13 +203,21 @@ def _weight_grad_options(plan: LinearPlan, module, is_first_microbatch, weight_p
     return plan
 
 
-def _cached_weight(module, gemm: int, is_first_microbatch, enabled: bool, fp8_dtype,
-                   weight) -> Optional[Float8TensorStorage]:
+def _cached_weight(module, gemm: int, is_first_microbatch, enabled: bool, weight_q, weight):
+    """The weight cached by the last `is_first_microbatch=True` call, if the recipe's weight quantizer makes
+    operands of its kind (class and format: the recipe may have changed in between)."""
     cache = module.fp8_weight_cache.get(gemm)
-    if is_first_microbatch is False and enabled and cache is not None and cache.fp8_dtype == fp8_dtype \
+    if is_first_microbatch is False and enabled and cache is not None and _same_kind(cache, weight_q) \
             and weight is not None and cache.device == weight.device:
         return cache
     return None
+
+
+def _same_kind(operand, weight_q) -> bool:
+    block = getattr(weight_q, "quantizer", None)  # the block families' RoleQuantizer
+    if block is None:
+        return isinstance(operand, Float8TensorStorage) and operand.fp8_dtype == weight_q.fp8_dtype
+    return isinstance(operand, block._storage_class) and operand._fp8_dtype == block.dtype
 
 
 def keep_cached_weight(module, gemm: int, plan: LinearPlan, is_first_microbatch, call: FP8Call) -> None:
