@@ -294,6 +294,16 @@ def _block_tp_case(mode, recipe):
     full_t = x if column else g
     assert [(e[1], e[2]) for e in gathers] == [(torch.float32, full_t.numel())], [e[:3] for e in gathers]
     assert torch.equal(gathers[0][3].reshape(full_t.shape), full_t)
+    if isinstance(recipe, MXFP8BlockScaling):  # shards on 32-boundaries: the full model's blocks, only sums differ
+        xf = x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            yf = full(xf)
+        torch.manual_seed(12)
+        yf.backward(g)
+        pairs = [(y, yf[..., out] if column else yf[seq]), (x_in.grad, xf.grad[seq] if column else xf.grad[..., feat]),
+                 (tp.weight.grad, full.weight.grad[out] if column else full.weight.grad[:, feat])]
+        for got, expect in pairs:
+            assert sqnr_db(np32(expect), np32(got)) >= 80, (mode, sqnr_db(np32(expect), np32(got)))
     exact = (x.double() @ full.weight.detach().double().T + full.bias.detach().double())
     exact = exact[..., out] if column else exact[seq]
     assert 8 < sqnr_db(exact.numpy(), np32(y)) < 50, "not a quantized result"  # sanity: FP8 / FP4, not garbage
