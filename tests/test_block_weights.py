@@ -93,6 +93,8 @@ def test_weights_are_block_tensors_with_the_reference_bytes(name):
     assert init.device.type == "cpu" and init.shape == (128, 256)
     assert_reference_bytes(recipe, w, init)
     assert not torch.equal(w.dequantize(), init)  # the weight is quantized
+    x = torch.randn(32, 256)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, w.dequantize(), layer.bias))  # outside autocast
     w.clear_high_precision_init_val()
     assert w.get_high_precision_init_val() is None
     assert isinstance(layer.bias, torch.nn.Parameter) and not isinstance(layer.bias, te.QuantizedTensor)
