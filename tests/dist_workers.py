@@ -60,7 +60,12 @@ from dist_workers_rules import (  # noqa: E402, F401
     check_rule_peer_stops,
     check_rule_slow_rank_is_fine,
 )
-from dist_workers_tp import check_tp_dp_4_ranks, check_tp_linear, check_tp_mlp_bf16  # noqa: E402, F401
+from dist_workers_tp import (  # noqa: E402, F401
+    check_tp_block_linear,
+    check_tp_dp_4_ranks,
+    check_tp_linear,
+    check_tp_mlp_bf16,
+)
 from linear_helpers import np32, sqnr_db  # noqa: E402
 
 # ---- check: amax reduction equals the reference, one all-reduce per key and update ------------------------------

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import fp8kit.pytorch as te
 from fp8kit.pytorch import distributed as fdist
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+from fp8kit.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
 import reference as ref
 from dist_common import (
@@ -233,3 +233,83 @@ def check_tp_dp_4_ranks():
             np.testing.assert_allclose(st, sf, rtol=1e-5)
     assert_same_on_all_ranks([tt.fp8_meta[w].scale for tt in tp for w in ("scaling_fwd", "scaling_bwd")], "scales")
 
+
+
+# ---- check: block-scaled recipes under tensor and sequence parallelism ------------------------------------------
+
+def _block_tp_case(mode, recipe):
+    """A column- or row-parallel Linear with sequence parallelism against, on each rank, a single-process Linear
+    holding the same weight shard and fed the full tensors: the sequence all-gather of the input (column) and of the
+    gradient (row) moves high-precision values and quantizes the full tensor, so each GEMM sees the bytes a single
+    process quantizes, and the results agree bit for bit (the partial sums of the parallel dim are added in float32,
+    a + b on both sides)."""
+    group = dist.group.WORLD
+    torch.manual_seed(11)
+    s, b, h_in, h_out = 16, 4, 64, 128  # every shard a multiple of the blocks (MXFP8 32, NVFP4 16)
+    full = te.Linear(h_in, h_out)
+    tp = te.Linear(h_in, h_out, parallel_mode=mode, tp_group=group, sequence_parallel=True)
+    fdist.shard_linear_parameters(tp, full.weight, full.bias)
+    column = mode == "column"
+    twin = te.Linear(h_in if column else h_in // WORLD, h_out // WORLD if column else h_out, bias=column)
+    with torch.no_grad():
+        twin.weight.copy_(tp.weight)
+        if column:
+            twin.bias.copy_(tp.bias)
+    gen = torch.Generator().manual_seed(500)  # the same full tensors on every rank
+    x, g = torch.randn(s, b, h_in, generator=gen), torch.randn(s, b, h_out, generator=gen)
+    seq = slice(RANK * s // WORLD, (RANK + 1) * s // WORLD)
+    feat = slice(RANK * h_in // WORLD, (RANK + 1) * h_in // WORLD)
+    out = slice(RANK * h_out // WORLD, (RANK + 1) * h_out // WORLD)
+    x_in = (x[seq] if column else x[..., feat]).clone().requires_grad_()
+    g_in = g[..., out] if column else g[seq]
+    with Recorder() as rec:
+        rec.active = True
+        with te.autocast(recipe=recipe):
+            y = tp(x_in)
+        fwd = rec.take()
+        torch.manual_seed(12)  # NVFP4's stochastic rounding of the gradient: the same draws as the twin's
+        y.backward(g_in)
+        bwd = rec.take()
+    x_twin = (x if column else x[..., feat]).clone().requires_grad_()
+    with te.autocast(recipe=recipe):
+        y_twin = twin(x_twin)
+    torch.manual_seed(12)
+    y_twin.backward(g[..., out] if column else g)
+    if column:
+        dx = x_twin.grad.clone()
+        dist.all_reduce(dx)  # the dgrad partial sums of the output shards
+        want = [(y, y_twin), (x_in.grad, dx[seq]), (tp.weight.grad, twin.weight.grad), (tp.bias.grad, twin.bias.grad)]
+    else:
+        y_sum = y_twin.detach().clone()
+        dist.all_reduce(y_sum)
+        want = [(y, (y_sum + full.bias.detach())[seq]), (x_in.grad, x_twin.grad), (tp.weight.grad, twin.weight.grad)]
+        db = g[seq].reshape(-1, h_out).sum(0)
+        dist.all_reduce(db)
+        want.append((tp.bias.grad, db))
+    for i, (got, expect) in enumerate(want):
+        assert got.shape == expect.shape and torch.equal(got, expect), \
+            (type(recipe).__name__, mode, i, (got - expect).abs().max().item())
+    # the sequence all-gather moved float32 values of the full tensor (input forward / gradient backward)
+    gathers = _fp8_gathers(fwd if column else bwd)
+    full_t = x if column else g
+    assert [(e[1], e[2]) for e in gathers] == [(torch.float32, full_t.numel())], [e[:3] for e in gathers]
+    assert torch.equal(gathers[0][3].reshape(full_t.shape), full_t)
+    if isinstance(recipe, MXFP8BlockScaling):  # shards on 32-boundaries: the full model's blocks, only sums differ
+        xf = x.clone().requires_grad_()
+        with te.autocast(recipe=recipe):
+            yf = full(xf)
+        torch.manual_seed(12)
+        yf.backward(g)
+        pairs = [(y, yf[..., out] if column else yf[seq]), (x_in.grad, xf.grad[seq] if column else xf.grad[..., feat]),
+                 (tp.weight.grad, full.weight.grad[out] if column else full.weight.grad[:, feat])]
+        for got, expect in pairs:
+            assert sqnr_db(np32(expect), np32(got)) >= 80, (mode, sqnr_db(np32(expect), np32(got)))
+    exact = (x.double() @ full.weight.detach().double().T + full.bias.detach().double())
+    exact = exact[..., out] if column else exact[seq]
+    assert 8 < sqnr_db(exact.numpy(), np32(y)) < 50, "not a quantized result"  # sanity: FP8 / FP4, not garbage
+
+
+def check_tp_block_linear():
+    for recipe in (MXFP8BlockScaling(), Float8BlockScaling(), NVFP4BlockScaling()):
+        for mode in ("column", "row"):
+            _block_tp_case(mode, recipe)

@@ -23,6 +23,7 @@ from dist_launch import check_result
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
 TWO_RANKS = ["amax_reduction", "moe_skip", "unused_key_keeps_state", "registration_mismatch", "tp_linear",
+             "tp_block_linear",
              "tp_mlp_bf16", "ddp", "ddp_unused_expert", "fsdp2",
              "tp_layernorm_mlp", "tp_layernorm_linear"]  # the last two: tests/dist_workers_mlp.py
 RULES = ["rule_caught_exception", "rule_no_grad_step", "rule_different_groups", "rule_different_reduce_amax",

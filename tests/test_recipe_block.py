@@ -203,13 +203,14 @@ def test_autocast_refuses_them_naming_the_recipe(cls):
     recipe = make(cls)
     layer = te.Linear(32, 32)
     # those run: tests/test_block_linear.py, tests/test_nvfp4_linear.py
+    # and their quantized weights: tests/test_block_weights.py
     if cls.__name__ not in ("MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"):
         with pytest.raises(NotImplementedError, match=cls.__name__):
             with te.autocast(recipe=recipe):
                 layer(torch.randn(4, 32))
-    with pytest.raises(NotImplementedError, match=cls.__name__):  # FP8 weights are per-tensor only
-        with te.quantized_model_init(recipe=recipe):
-            pass
+        with pytest.raises(NotImplementedError, match=cls.__name__):
+            with te.quantized_model_init(recipe=recipe):
+                pass
     with te.autocast(recipe=None):  # the stack is intact afterwards
         layer(torch.randn(4, 32))
 

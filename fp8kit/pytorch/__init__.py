@@ -80,7 +80,7 @@ from .transformer import TransformerLayer
 
 # torch.load(weights_only=True) rebuilds Float8Tensors and block-scaled tensors
 torch.serialization.add_safe_globals([make_float8_tensor, rebuild_pickled_block_tensor, MXFP8Tensor,
-                                      Float8BlockwiseQTensor])
+                                      Float8BlockwiseQTensor, NVFP4Tensor])
 
 __all__ = ["autocast", "fp8_autocast", "quantize", "Linear", "LayerNorm", "RMSNorm", "LayerNormLinear",
            "LayerNormMLP", "GroupedLinear", "Fp8Padding", "Fp8Unpadding",

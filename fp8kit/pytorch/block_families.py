@@ -6,7 +6,7 @@ GEMM rule (`gemm.register_gemm_rule`). Imported by `fp8kit.pytorch`."""
 from __future__ import annotations
 
 from ..recipe import Float8BlockScaling, MXFP8BlockScaling
-from .block_recipes import block_gemm_rule, block_quantizers
+from .block_recipes import block_gemm_rule, block_quantizers, weight_parameter_quantizer
 from .gemm import register_gemm_rule
 from .recipe_families import register_recipe_family
 from .tensor.block_storage import BlockScaledStorage, TransposedBlockOperand
@@ -29,7 +29,13 @@ def block_plan(plan, recipe, module, call) -> None:
         plan.fp8 = (call.fp8[0], False, False)
 
 
-register_recipe_family(MXFP8BlockScaling, _quantizers, block_plan)
-register_recipe_family(Float8BlockScaling, _quantizers, block_plan)
+def _weight_quantizer(recipe):
+    """The quantizer of a weight parameter under `quantized_model_init(recipe=...)`: the recipe's weight role (both
+    layouts: fprop reads the rowwise one, dgrad the columnwise one), making MXFP8Tensor / Float8BlockwiseQTensor."""
+    return weight_parameter_quantizer(block_quantizers(recipe)[1])
+
+
+register_recipe_family(MXFP8BlockScaling, _quantizers, block_plan, _weight_quantizer)
+register_recipe_family(Float8BlockScaling, _quantizers, block_plan, _weight_quantizer)
 register_gemm_rule(BlockScaledStorage, block_gemm_rule)
 register_gemm_rule(TransposedBlockOperand, block_gemm_rule)

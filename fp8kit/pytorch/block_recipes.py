@@ -21,7 +21,7 @@ from .tensor.block_storage import BlockScaledStorage, TransposedBlockOperand
 from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from .tensor.mxfp8_tensor import MXFP8Quantizer
 
-__all__ = ["RoleQuantizer", "block_quantizers", "block_gemm_rule"]
+__all__ = ["RoleQuantizer", "block_quantizers", "block_gemm_rule", "weight_parameter_quantizer"]
 
 _FORMAT_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -34,6 +34,10 @@ class RoleQuantizer:
     no calibration)."""
 
     __slots__ = ("quantizer", "fp8_dtype", "stats")
+    # Under sequence parallelism the tensor is all-gathered in high precision and quantized after: every block is
+    # then the full tensor's (a local block along the split dim could straddle ranks), as Transformer Engine does
+    # for Float8 block scaling.
+    gather_values = True
 
     def __init__(self, quantizer):
         quantizer.internal = True
@@ -53,6 +57,15 @@ class RoleQuantizer:
 
     def observe(self, x: torch.Tensor) -> None:
         pass
+
+
+def weight_parameter_quantizer(role: RoleQuantizer):
+    """A copy of `role`'s quantizer that makes torch.Tensor subclasses (not internal storages) with both layouts:
+    what a weight parameter created under `quantized_model_init` holds."""
+    q = role.quantizer.copy()
+    q.internal = False
+    q.set_usage(rowwise=True, columnwise=True)
+    return q
 
 
 def _formats(recipe) -> Tuple[torch.dtype, torch.dtype]:

@@ -7,6 +7,10 @@ bf16's memory.
   Quantizing it again (an optimizer step: `param.copy_(master)` or `param.quantize_(master)`) uses the scale of the
   last update, as a forward cast would.
 - Current scaling: the weight is cast with its own amax, again after each optimizer step.
+- Block scaling (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling): the weight becomes the family's quantized
+  tensor (MXFP8Tensor, Float8BlockwiseQTensor, NVFP4Tensor) quantized by the recipe's weight quantizer with both
+  layouts (rowwise for fprop, columnwise for dgrad; `recipe_families.RecipeFamily.weight_quantizer`); the GEMMs read
+  its bytes and scales as they are, and an optimizer step quantizes the new value into it (`param.quantize_(master)`).
 """
 
 from __future__ import annotations
@@ -22,11 +26,13 @@ import torch
 from ..recipe import DelayedScaling, Recipe
 from .autocast import entry_recipe
 from .cast import fp8_dtype_of
+from .quantized_tensor import QuantizedTensor
+from .recipe_families import recipe_family
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
 
 __all__ = ["quantized_model_init", "fp8_model_init", "quantized_init_settings", "StateQuantizer",
            "quantize_weight_parameter", "parameter_attributes", "restore_parameter_attributes",
-           "renew_weight_quantizers"]
+           "renew_weight_quantizers", "is_quantized_weight", "check_quantized_weight"]
 
 
 @dataclass(frozen=True)
@@ -60,9 +66,9 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
     if not isinstance(enabled, bool):
         raise TypeError(f"quantized_model_init: enabled must be a bool, got {enabled!r}")
     recipe = entry_recipe(recipe, "quantized_model_init")  # the fields at entry
-    if not recipe.float8_per_tensor_scaling():  # FP8 weights are per-tensor Float8Tensors today
-        raise NotImplementedError(f"quantized_model_init: FP8 weights under {type(recipe).__name__} are not "
-                                  "implemented; use DelayedScaling or Float8CurrentScaling")
+    if not recipe.float8_per_tensor_scaling() and recipe_family(type(recipe)).weight_quantizer is None:
+        raise NotImplementedError(f"quantized_model_init: quantized weights under {type(recipe).__name__} are not "
+                                  "implemented; use DelayedScaling, Float8CurrentScaling or a block-scaling recipe")
     token = _SETTINGS.set(_Settings(enabled, recipe, bool(preserve_high_precision_init_val)))
     try:
         yield
@@ -99,18 +105,28 @@ class StateQuantizer(Float8Quantizer):
         return out
 
 
-def quantize_weight_parameter(module, name: str, gemm: int, settings: _Settings) -> None:
-    """Replace `module.<name>` (a GEMM's weight, initialised in high precision) by a Float8Tensor parameter."""
-    param = getattr(module, name)
-    recipe = settings.recipe
+def _weight_quantizer(module, gemm: int, recipe: Recipe, device):
+    """The quantizer a weight parameter of GEMM `gemm` of `module` is made with and re-quantized by."""
+    if not recipe.float8_per_tensor_scaling():  # a block-scaled family
+        return recipe_family(type(recipe)).weight_quantizer(recipe)
     fp8_dtype = fp8_dtype_of(recipe.fp8_format.value.fwd)
     if isinstance(recipe, DelayedScaling):
-        module.create_fp8_states(recipe.amax_history_len, param.device)
-        quantizer = StateQuantizer(module.fp8_meta["scaling_fwd"], 3 * gemm + 1, fp8_dtype)
-    else:
-        q = recipe.fp8_quant_fwd_weight
-        quantizer = Float8CurrentScalingQuantizer(fp8_dtype, param.device, force_pow_2_scales=q.power_2_scale,
-                                                  amax_epsilon=q.amax_epsilon)
+        module.create_fp8_states(recipe.amax_history_len, device)
+        return StateQuantizer(module.fp8_meta["scaling_fwd"], 3 * gemm + 1, fp8_dtype)
+    q = recipe.fp8_quant_fwd_weight
+    return Float8CurrentScalingQuantizer(fp8_dtype, device, force_pow_2_scales=q.power_2_scale,
+                                         amax_epsilon=q.amax_epsilon)
+
+
+def quantize_weight_parameter(module, name: str, gemm: int, settings: _Settings) -> None:
+    """Replace `module.<name>` (a GEMM's weight, initialised in high precision) by a quantized parameter: a
+    Float8Tensor under per-tensor recipes, the block family's tensor under block-scaling ones."""
+    param = getattr(module, name)
+    quantizer = _weight_quantizer(module, gemm, settings.recipe, param.device)
+    problem = quantizer._shape_error(param) if hasattr(quantizer, "_shape_error") else None
+    if problem:
+        raise ValueError(f"quantized_model_init: the weight {name!r} of {type(module).__name__} cannot be quantized "
+                         f"under {type(settings.recipe).__name__}: {problem}")
     with torch.no_grad():
         fp8 = quantizer.quantize(param.detach())
     new = torch.nn.Parameter(fp8, requires_grad=param.requires_grad)
@@ -151,8 +167,9 @@ def _keep_init_value(param: torch.nn.Parameter, value: torch.Tensor) -> None:
 
 
 def parameter_attributes(module: torch.nn.Module) -> Dict[str, dict]:
-    """The Python attributes of `module`'s own FP8 parameters (what `restore_parameter_attributes` puts back)."""
-    return {name: dict(p.__dict__) for name, p in module._parameters.items() if isinstance(p, Float8Tensor)}
+    """The Python attributes of `module`'s own quantized parameters (what `restore_parameter_attributes` puts
+    back)."""
+    return {name: dict(p.__dict__) for name, p in module._parameters.items() if isinstance(p, QuantizedTensor)}
 
 
 def restore_parameter_attributes(module: torch.nn.Module, saved: Dict[str, dict]) -> None:
@@ -172,12 +189,35 @@ def is_fp8_parameter(t) -> bool:
     return isinstance(t, Float8Tensor)
 
 
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    """torch's default dtype set to `dtype` inside the scope (parameters created there take it), restored after."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
+def is_quantized_weight(t) -> bool:
+    """Whether `t` is a weight made by `quantized_model_init` (a Float8Tensor or a block-scaled quantized tensor)."""
+    return isinstance(t, QuantizedTensor)
+
+
+def check_quantized_weight(module, weight, weight_q) -> None:
+    """A quantized weight parameter can be the GEMM operand of `weight_q` (the weight quantizer of the autocast's
+    recipe) only if it was quantized the same way: a Float8Tensor in the recipe's format under a per-tensor recipe;
+    under a block recipe the family's tensor class with the same format and blocks (`weight_q.quantizer`). TypeError
+    otherwise: re-quantizing its dequantized values would silently change the numbers."""
+    want = getattr(weight_q, "quantizer", None)  # block families' RoleQuantizer
+    problem = None
+    if want is None:
+        if not isinstance(weight, Float8Tensor):
+            problem = f"is a {type(weight).__name__}, the recipe's weights are per-tensor Float8Tensors"
+    elif not isinstance(weight, want._storage_class):
+        problem = f"is a {type(weight).__name__}, the recipe's weights are {want._storage_class.__name__}s"
+    elif not all(weight.get_usages().values()):
+        problem = f"lacks a layout (usages {weight.get_usages()}); fprop and dgrad read both"
+    elif weight._quantizer is not None:
+        for attr in ("block_scaling_dim", "with_2d_quantization", "with_rht", "amax_epsilon", "force_pow_2_scales"):
+            if getattr(weight._quantizer, attr, None) != getattr(want, attr, None):
+                problem = (f"was quantized with {attr}={getattr(weight._quantizer, attr, None)!r}, the recipe's "
+                           f"weight quantizer has {getattr(want, attr, None)!r}")
+                break
+    if problem is None:
+        held, cast = (weight.fp8_dtype, weight_q.fp8_dtype) if want is None else (weight._fp8_dtype, want.dtype)
+        if held != cast:  # (NVFP4 has one format)
+            problem = f"holds {held}, the recipe casts weights to {cast}"
+    if problem:
+        raise TypeError(f"{type(module).__name__}: the quantized weight {problem}; create the model under "
+                        "quantized_model_init with a recipe of the same kind, format and options as the autocast's")

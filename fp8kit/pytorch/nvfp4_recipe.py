@@ -16,7 +16,7 @@ from typing import Tuple
 
 from ..recipe import NVFP4BlockScaling
 from .block_families import block_plan
-from .block_recipes import RoleQuantizer
+from .block_recipes import RoleQuantizer, weight_parameter_quantizer
 from .gemm import register_gemm_rule
 from .nvfp4_gemm import nvfp4_gemm_rule
 from .recipe_families import register_recipe_family
@@ -58,4 +58,10 @@ def _plan(plan, recipe, module, call) -> None:
 
 register_gemm_rule(NVFP4TensorStorage, nvfp4_gemm_rule)
 register_gemm_rule(TransposedNVFP4Operand, nvfp4_gemm_rule)
-register_recipe_family(NVFP4BlockScaling, _quantizers, _plan)
+def _weight_quantizer(recipe) -> NVFP4Quantizer:
+    """The quantizer of a weight parameter under `quantized_model_init(recipe=...)` (the recipe's weight QParams,
+    both layouts): it makes NVFP4Tensor parameters."""
+    return weight_parameter_quantizer(RoleQuantizer(_quantizer(recipe.fp4_quant_fwd_weight)))
+
+
+register_recipe_family(NVFP4BlockScaling, _quantizers, _plan, _weight_quantizer)

@@ -7,6 +7,9 @@ A recipe family is registered once with `register_recipe_family(recipe_class, qu
   `record`), its `module`). `FP8Call.quantizers` asks here.
 - `configure_plan(plan, recipe, module, call)`: the recipe's options of one GEMM's `LinearPlan` (fast
   accumulation, backward overrides, what the recipe refuses), set by `setup.gemm_plan`.
+- `weight_quantizer(recipe)` (optional, block-scaled families): the quantizer of a weight parameter created under
+  `quantized_model_init(recipe=...)`, which makes the parameter a quantized tensor of the family (both layouts).
+  The per-tensor families make Float8Tensor weights in `fp8_weights.py`.
 
 The modules never branch on the recipe type, so a new family (MXFP8, block scaling, NVFP4) is a recipe class, a
 family registered here, a storage class and a GEMM rule (`fp8kit.pytorch.gemm.register_gemm_rule`); see
@@ -16,7 +19,7 @@ docs/architecture.md, "Adding a recipe".
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 from ..recipe import DelayedScaling, Float8CurrentScaling, Recipe
 from .cast import fp8_dtype_of
@@ -31,10 +34,12 @@ PlanOptions = Callable[[object, Recipe, object, object], None]
 
 @dataclass(frozen=True)
 class RecipeFamily:
-    """`quantizers(call, gemm)` and `configure_plan(plan, recipe, module, call)` of one recipe family."""
+    """`quantizers(call, gemm)`, `configure_plan(plan, recipe, module, call)` and `weight_quantizer(recipe)` (None:
+    the family makes no weight parameters of its own) of one recipe family."""
 
     quantizers: QuantizerFactory
     configure_plan: PlanOptions
+    weight_quantizer: Optional[Callable[[Recipe], object]] = None
 
 
 FAMILIES = ClassTable("recipe family")  # recipe class -> RecipeFamily; `FAMILIES[type(recipe)]` on hot paths
@@ -45,15 +50,18 @@ def _no_plan_options(plan, recipe, module, call) -> None:
 
 
 def register_recipe_family(recipe_class: type, quantizers: QuantizerFactory,
-                           configure_plan: PlanOptions = _no_plan_options) -> None:
+                           configure_plan: PlanOptions = _no_plan_options,
+                           weight_quantizer: Optional[Callable[[Recipe], object]] = None) -> None:
     """Make `quantizers` and `configure_plan` those of every GEMM run under a recipe of `recipe_class` (or of a
-    subclass without a family of its own)."""
+    subclass without a family of its own), and `weight_quantizer` the maker of its quantized weight parameters."""
     if not isinstance(recipe_class, type) or not issubclass(recipe_class, Recipe):
         raise TypeError(f"register_recipe_family: expected a subclass of fp8kit.recipe.Recipe, got {recipe_class!r}")
     for name, fn in (("quantizers", quantizers), ("configure_plan", configure_plan)):
         if not callable(fn):
             raise TypeError(f"register_recipe_family: {name} must be callable, got {fn!r}")
-    FAMILIES.register(recipe_class, RecipeFamily(quantizers, configure_plan))
+    if weight_quantizer is not None and not callable(weight_quantizer):
+        raise TypeError(f"register_recipe_family: weight_quantizer must be callable or None, got {weight_quantizer!r}")
+    FAMILIES.register(recipe_class, RecipeFamily(quantizers, configure_plan, weight_quantizer))
 
 
 def recipe_family(recipe_type: type) -> RecipeFamily:

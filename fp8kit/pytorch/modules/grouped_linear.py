@@ -12,8 +12,7 @@ from typing import Callable, Dict, Optional
 import torch
 
 from ...recipe import DelayedScaling, Recipe
-from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
-from ..tensor.float8_tensor import Float8Tensor
+from ..fp8_weights import is_quantized_weight, quantize_weight_parameter, quantized_init_settings
 from .base import FP8StateMixin
 from .linear_base import linear_call, track_gemm_backwards
 from .linear_function import WeightGradStore
@@ -163,7 +162,7 @@ class GroupedLinear(FP8StateMixin, torch.nn.Module):
                     getattr(self, f"bias{i}").zero_()
         settings = quantized_init_settings()  # under quantized_model_init: FP8 weight parameters
         for i in range(self.num_gemms):
-            if settings is not None and not isinstance(getattr(self, f"weight{i}"), Float8Tensor):
+            if settings is not None and not is_quantized_weight(getattr(self, f"weight{i}")):
                 quantize_weight_parameter(self, f"weight{i}", i, settings)
 
     @property

@@ -19,9 +19,8 @@ import torch.utils.checkpoint as torch_checkpoint
 
 from ...recipe import DelayedScaling
 from ..distributed import check_shared_scales, gather_with_grad, tensor_parallel
-from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
+from ..fp8_weights import is_quantized_weight, quantize_weight_parameter, quantized_init_settings
 from ..recompute import in_backward
-from ..tensor.float8_tensor import Float8Tensor
 from .activation import activation, activation_saving_input, check_activation, is_gated
 from .base import FP8StateMixin
 from .linear_base import linear_call, track_gemm_backwards
@@ -199,7 +198,7 @@ class LayerNormMLP(FP8StateMixin, torch.nn.Module):
                     p.sequence_parallel = True
         settings = quantized_init_settings()  # under quantized_model_init: FP8 weight parameters
         for gemm, name in enumerate(("fc1_weight", "fc2_weight")):
-            if settings is not None and not isinstance(getattr(self, name), Float8Tensor):
+            if settings is not None and not is_quantized_weight(getattr(self, name)):
                 quantize_weight_parameter(self, name, gemm, settings)
 
     # ---- tensor parallelism ----

@@ -14,9 +14,8 @@ import torch.nn.functional as F
 
 from ...recipe import DelayedScaling
 from ..distributed import check_shared_scales, tensor_parallel
-from ..fp8_weights import quantize_weight_parameter, quantized_init_settings
+from ..fp8_weights import is_quantized_weight, quantize_weight_parameter, quantized_init_settings
 from ..gemm import check_cuda_shape
-from ..tensor.float8_tensor import Float8Tensor
 from .base import FP8Call, FP8StateMixin
 from .linear_function import LinearPlan, WeightGradStore, fp8_linear
 from .setup import (
@@ -144,7 +143,7 @@ class LinearBase(FP8StateMixin):
                 for bname in self.bias_names:
                     getattr(self, bname).zero_()
         settings = quantized_init_settings()
-        if settings is not None and not isinstance(getattr(self, self.weight_names[0]), Float8Tensor):
+        if settings is not None and not is_quantized_weight(getattr(self, self.weight_names[0])):
             if len(self.weight_names) > 1:
                 raise ValueError(f"{self._kind}: FP8 weights (quantized_model_init) cannot be split into several "
                                  "parameters (parameters_split), as in Transformer Engine")

@@ -100,6 +100,12 @@ class LinearPlan:
         self.wgrad_store = None
 
 
+def gather_values(quantizer) -> bool:
+    """Whether a tensor this quantizer casts is all-gathered in high precision and quantized after (block-scaled
+    recipes: the full tensor's blocks, as one process would quantize them), not gathered as FP8 bytes."""
+    return getattr(quantizer, "gather_values", False)
+
+
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: LinearPlan) -> torch.Tensor:
     """`x @ weight.T + bias` for x `[M, K]` with the GEMMs `plan` asks for (see the module docstring)."""
     return _LinearFunction.apply(x, weight, bias, plan)
@@ -128,6 +134,9 @@ class _LinearFunction(torch.autograd.Function):
             plan.input_q.observe(x)
             plan.weight_q.observe(weight)
         keep_x_fp8 = wgrad and not plan.save_original_input
+        if gather and (gather_values(plan.input_q) or not (fprop or keep_x_fp8)):
+            x = gather_along_first_dim(x, tp.group)  # block scales: the full tensor is quantized after the gather
+            gather = False
         if fprop or keep_x_fp8:
             # on accelerators the cast also writes the transpose wgrad reads (one pass with the kernels)
             x_fp8 = plan.input_q.quantize(x, transpose=keep_x_fp8 and not gather)
@@ -186,14 +195,17 @@ class _LinearFunction(torch.autograd.Function):
             plan.grad_q.observe(dy)
         db = dy_fp8 = None
         want_db = ctx.has_bias and ctx.needs_input_grad[2]
-        if want_db and (dgrad or wgrad):  # the bias gradient from the same pass over dy (fused with the kernels)
+        dy_local = dy
+        gathered = gather and (gather_values(plan.grad_q) or not (dgrad or wgrad))
+        if gathered:  # block scales: the full dy is quantized after the gather (the bias gradient from local rows)
+            dy = gather_along_first_dim(dy, tp.group)
+        gather_fp8 = gather and not gathered
+        if want_db and (dgrad or wgrad) and not gathered:  # the bias gradient from the same pass over dy
             dy_fp8, db = plan.grad_q.quantize_dbias(dy)
         elif dgrad or wgrad:
-            dy_fp8 = plan.grad_q.quantize(dy, transpose=wgrad and not gather)
-        dy_local = dy
-        if gather:  # row parallel with SP: dy arrives split along the sequence
-            if dy_fp8 is not None:
-                dy_fp8 = all_gather_fp8(dy_fp8, tp.group)
+            dy_fp8 = plan.grad_q.quantize(dy, transpose=wgrad and not gather_fp8)
+        if gather_fp8:  # row parallel with SP: dy arrives split along the sequence
+            dy_fp8 = all_gather_fp8(dy_fp8, tp.group)
             if not (dgrad and wgrad):
                 dy = gather_along_first_dim(dy, tp.group)
         dx = dw = None

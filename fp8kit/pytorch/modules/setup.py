@@ -10,6 +10,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..compiled import compiling
+from ..fp8_weights import check_quantized_weight, is_quantized_weight
 from ..distributed import TensorParallel, tensor_parallel
 from ..recipe_families import FAMILIES
 from ..tensor.float8_tensor import Float8Tensor
@@ -132,10 +133,10 @@ def check_operands(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Op
     if autocast_on:
         dtype = torch.get_autocast_dtype(inp.device.type)
         inp = inp.to(dtype)
-        if not isinstance(weight, Float8Tensor):  # an FP8 weight keeps its bytes (and its nominal dtype)
+        if not is_quantized_weight(weight):  # a quantized weight keeps its bytes (and its nominal dtype)
             weight = weight.to(dtype)
         bias = bias.to(dtype) if bias is not None else None
-        if isinstance(weight, Float8Tensor):
+        if is_quantized_weight(weight):
             return inp, weight, bias
     if inp.dtype != weight.dtype or (bias is not None and bias.dtype != weight.dtype):
         raise TypeError(
@@ -164,15 +165,12 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
     if call.replay:
         cached = call.cached_weight(gemm)
     else:
-        cached = _cached_weight(module, gemm, is_first_microbatch, frame.enabled, weight_q.fp8_dtype, weight_param)
+        cached = _cached_weight(module, gemm, is_first_microbatch, frame.enabled, weight_q, weight_param)
         if cached is not None:
             call.reused_weight(gemm, cached)
-    if isinstance(weight_param, Float8Tensor):  # an FP8 weight (quantized_model_init): its bytes, no cast
-        if weight_param.fp8_dtype != weight_q.fp8_dtype:
-            raise TypeError(f"{type(module).__name__}: the FP8 weight holds {weight_param.fp8_dtype} but the recipe "
-                            f"casts weights to {weight_q.fp8_dtype}; create the model under quantized_model_init with "
-                            "a recipe of the same format")
-        cached = weight_param.storage_view()
+    if is_quantized_weight(weight_param):  # a weight made by quantized_model_init: its bytes, no cast
+        check_quantized_weight(module, weight_param, weight_q)
+        cached = weight_param.storage_view() if isinstance(weight_param, Float8Tensor) else weight_param
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
     FAMILIES[type(recipe)].configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input
@@ -205,13 +203,21 @@ def _weight_grad_options(plan: LinearPlan, module, is_first_microbatch, weight_p
     return plan
 
 
-def _cached_weight(module, gemm: int, is_first_microbatch, enabled: bool, fp8_dtype,
-                   weight) -> Optional[Float8TensorStorage]:
+def _cached_weight(module, gemm: int, is_first_microbatch, enabled: bool, weight_q, weight):
+    """The weight cached by the last `is_first_microbatch=True` call, if the recipe's weight quantizer makes
+    operands of its kind (class and format: the recipe may have changed in between)."""
     cache = module.fp8_weight_cache.get(gemm)
-    if is_first_microbatch is False and enabled and cache is not None and cache.fp8_dtype == fp8_dtype \
+    if is_first_microbatch is False and enabled and cache is not None and _same_kind(cache, weight_q) \
             and weight is not None and cache.device == weight.device:
         return cache
     return None
+
+
+def _same_kind(operand, weight_q) -> bool:
+    block = getattr(weight_q, "quantizer", None)  # the block families' RoleQuantizer
+    if block is None:
+        return isinstance(operand, Float8TensorStorage) and operand.fp8_dtype == weight_q.fp8_dtype
+    return isinstance(operand, block._storage_class) and operand._fp8_dtype == block.dtype
 
 
 def keep_cached_weight(module, gemm: int, plan: LinearPlan, is_first_microbatch, call: FP8Call) -> None:

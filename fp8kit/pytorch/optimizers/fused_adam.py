@@ -7,7 +7,8 @@ moments. So the master weights take exactly the values `torch.optim.AdamW(fused=
 same float32 tensors; Transformer Engine's CUDA kernel orders its float32 operations a little differently, so the two
 agree to float32 rounding, not bit for bit.
 
-- Float8Tensor parameters (from `quantized_model_init`) need `master_weights=True`. Each step updates the float32
+- Quantized parameters (from `quantized_model_init`: Float8Tensor, or the block recipes' MXFP8Tensor,
+  Float8BlockwiseQTensor, NVFP4Tensor) need `master_weights=True`. Each step updates the float32
   master and quantizes it into the parameter with the parameter's quantizer (`param.quantize_(master)`): delayed
   scaling casts with the module state's current scale and records the amax, as Transformer Engine's fused FP8 Adam
   kernel does; current scaling casts with the master's own amax (all-reduced over the FSDP2 mesh for a sharded
@@ -35,6 +36,7 @@ from typing import Iterable, Optional
 import torch
 
 from ..quantized_tensor import QuantizedTensor
+from ..tensor.block_storage import BlockScaledTensorMixin
 from ..tensor.float8_tensor import Float8Tensor
 from . import adam_states
 from .common import (
@@ -153,11 +155,12 @@ class FusedAdam(KeepsOptions, torch.optim.Optimizer):
     def _check_param(self, p: torch.Tensor) -> None:
         local = local_tensor(p)
         if isinstance(local, QuantizedTensor):
-            if not isinstance(local, Float8Tensor):
+            if not isinstance(local, (Float8Tensor, BlockScaledTensorMixin)):
                 raise TypeError(f"FusedAdam: parameter ({describe(p)}) is a {type(local).__name__}; fp8kit's "
-                                "FusedAdam updates Float8Tensor and plain float32/bf16/fp16 parameters")
+                                "FusedAdam updates Float8Tensor, MXFP8Tensor, Float8BlockwiseQTensor, NVFP4Tensor "
+                                "and plain float32/bf16/fp16 parameters")
             if not self.master_weights:
-                raise ValueError(f"FusedAdam: parameter ({describe(p)}) is a Float8Tensor, which needs "
+                raise ValueError(f"FusedAdam: parameter ({describe(p)}) is a {type(local).__name__}, which needs "
                                  "master_weights=True (float32 master copies that each step quantizes into the "
                                  "parameter); without them the updates would be lost to FP8 rounding")
         elif local.dtype not in (torch.float32, torch.bfloat16, torch.float16):

@@ -22,7 +22,8 @@ from ..block_cast import round_up
 from ..constants import DType
 from ..hadamard import rht
 from ..quantized_tensor import QuantizedTensor
-from .block_storage import FIELDS, BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin, TransposedBlockOperand
+from .block_storage import (FIELDS, BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin, TransposedBlockOperand,
+                            rebuild_pickled_block_tensor)
 from .mxfp8_tensor import _flat2d, _zero_padded  # the flattened (M, K) and zero-padded scales, as MXFP8's
 
 __all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage", "TransposedNVFP4Operand", "nvfp4_scale_shape"]
@@ -198,8 +199,9 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
     def _default_quantizer(self):
         return NVFP4Quantizer(rowwise=self._rowwise_data is not None, columnwise=self._columnwise_data is not None)
 
-    def __reduce_ex__(self, protocol):
-        raise NotImplementedError("NVFP4Tensor: pickling is not supported yet; dequantize first")
+    def __reduce_ex__(self, protocol):  # (torch.save of a model with NVFP4 weights)
+        state = (self._fields(), int(DType.kFloat4E2M1), self.dtype, False)
+        return rebuild_pickled_block_tensor, (type(self), state, self.requires_grad)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"NVFP4Tensor(data={self.dequantize_impl(self.dtype)})"
