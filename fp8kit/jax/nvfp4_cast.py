@@ -85,7 +85,11 @@ def _encode_factor(s: jax.Array, decode: jax.Array) -> jax.Array:
     half = jnp.uint32(1) << (shr - 1)
     q = q + ((rem > half) | ((rem == half) & ((q & 1) == 1))).astype(jnp.uint32)
     k = jnp.where(sh <= 0, prod << jnp.clip(-sh, 0, 31).astype(jnp.uint32), jnp.where(sh >= 29, 0, q))
-    f_sub = (jnp.float32(1) / k.astype(F32)) * jnp.float32(2.0 ** 100) * jnp.float32(2.0 ** 49)
+    # 2^149 / k: 1 / k (normal, in [2^-23, 1]) with 149 added to its exponent field (integers: XLA folds a chain
+    # of constant float multiplies into one, 2^149, which overflows); an exponent past 254 is infinite
+    rb = _bits(jnp.float32(1) / jnp.maximum(k, 1).astype(F32))
+    exp_sub = (rb >> 23) + 149
+    f_sub = jnp.where((k == 0) | (exp_sub >= 255), jnp.float32(jnp.inf), _float(rb + jnp.uint32(149 << 23)))
     t = -(e + 126)  # the product is >= 2^-126 iff prod >= 2^t
     is_normal = (t <= 0) | ((t < 28) & (prod >= (jnp.uint32(1) << jnp.clip(t, 0, 31).astype(jnp.uint32))))
     f = jnp.where(is_normal, f_normal, f_sub)
