@@ -116,8 +116,8 @@ def autocast(
 
     enabled: False runs them in high precision (the default, as in Transformer Engine).
     recipe: `DelayedScaling`, `Float8CurrentScaling`, `MXFP8BlockScaling`, `Float8BlockScaling` or
-      `NVFP4BlockScaling`; None means `DelayedScaling()`. Its fields are read at entry (`recipe.snapshot()`, which `get_recipe()` returns):
-      assigning to the recipe later acts from the next entry.
+      `NVFP4BlockScaling`; None means `DelayedScaling()`. Its fields are read at entry (`recipe.snapshot()`,
+      which `get_recipe()` returns): assigning to the recipe later acts from the next entry.
     mesh_resource: which mesh axes are data/tensor/... parallel (amaxes are reduced over all but pipeline).
     Contexts nest; the innermost one decides. Settings are read at trace time.
     """
