@@ -170,9 +170,9 @@ def dense(
     Current scaling and the block recipes (MXFP8BlockScaling, Float8BlockScaling: fp8kit/jax/block_dense.py)
     need none; NVFP4BlockScaling (fp8kit/jax/nvfp4_dense.py) takes `quantizer_set={"sr_rng": key}`, the PRNG key
     of its stochastic rounding (required unless `disable_stochastic_rounding`). Outside autocast this is
-    `lax.dot_general(x, kernel.astype(x.dtype), ..., precision=precision)` plus the bias, in x's dtype. `input_axes` / `kernel_axes` / `output_axes` are logical
-    axis names for sharding constraints. `transpose_batch_sequence` does not change the result (each row is
-    independent); `collective_op_set` must be None (no collective GEMMs).
+    `lax.dot_general(x, kernel.astype(x.dtype), ..., precision=precision)` plus the bias, in x's dtype.
+    `input_axes` / `kernel_axes` / `output_axes` are logical axis names for sharding constraints.
+    `transpose_batch_sequence` does not change the result (each row is independent); `collective_op_set` must be None (no collective GEMMs).
     """
     if collective_op_set is not None:
         raise NotImplementedError("dense: collective GEMMs (collective_op_set) are not implemented; pass None")
