@@ -172,7 +172,8 @@ def dense(
     of its stochastic rounding (required unless `disable_stochastic_rounding`). Outside autocast this is
     `lax.dot_general(x, kernel.astype(x.dtype), ..., precision=precision)` plus the bias, in x's dtype.
     `input_axes` / `kernel_axes` / `output_axes` are logical axis names for sharding constraints.
-    `transpose_batch_sequence` does not change the result (each row is independent); `collective_op_set` must be None (no collective GEMMs).
+    `transpose_batch_sequence` does not change the result (each row is independent); `collective_op_set` must be
+    None (no collective GEMMs).
     """
     if collective_op_set is not None:
         raise NotImplementedError("dense: collective GEMMs (collective_op_set) are not implemented; pass None")
