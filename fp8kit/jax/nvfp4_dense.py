@@ -56,13 +56,7 @@ def _spec(q) -> NVFP4Spec:
 
 def nvfp4_config(recipe: Any, x_dtype, kernel_dtype, bias_dtype) -> NVFP4DenseConfig:
     """The config of an NVFP4BlockScaling recipe; its unimplemented options are refused, naming them."""
-    unsupported = recipe.unsupported_4over6()
-    if unsupported is not None:
-        raise NotImplementedError(f"NVFP4BlockScaling({unsupported}): NVFP4 4over6 block scaling is not implemented "
-                                  "in fp8kit; leave the 4over6 options at their defaults")
-    if recipe.row_scaled_activation:
-        raise NotImplementedError("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4 activations are "
-                                  "not implemented in fp8kit")
+    recipe.check_implemented()
     specs = (_spec(q) for q in (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad))
     return NVFP4DenseConfig(*specs, recipe.backward_override, jnp.dtype(x_dtype), jnp.dtype(kernel_dtype),
                             None if bias_dtype is None else jnp.dtype(bias_dtype))
