@@ -294,6 +294,16 @@ def test_dense_forward_backward_against_reference_quantized_float64():
                                  2.0 ** -20 * np.abs(dy).sum(0))
 
 
+def test_backward_override_dequantized():
+    """dgrad and wgrad in float32 from the forward's NVFP4 operands, dequantized (no key needed: dy is not cast)."""
+    recipe = NVFP4BlockScaling(backward_override="dequantized")
+    x, kernel, bias, dy = _operands((32, 64, 32), seed=12)
+    _, dx, dk, _ = _dense_vjp(recipe, x, kernel, bias, dy)
+    xq, kq = _deq(x, recipe.fp4_quant_fwd_inp, False), _deq(kernel.T, recipe.fp4_quant_fwd_weight, False).T
+    for got, want, mag in ((dx, dy @ kq.T, np.abs(dy) @ np.abs(kq).T), (dk, xq.T @ dy, np.abs(xq).T @ np.abs(dy))):
+        np.testing.assert_array_less(np.abs(np.asarray(got, np.float64) - want), 2.0 ** -19 * mag)
+
+
 def test_dense_stochastic_rounding_needs_a_key_and_is_deterministic_for_it():
     recipe = NVFP4BlockScaling()
     x, kernel, bias, dy = _operands((32, 64, 32), seed=9)

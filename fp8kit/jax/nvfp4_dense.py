@@ -26,7 +26,7 @@ from .cast import F32
 from .gemm import hp_gemm
 from .nvfp4_gemm import NVFP4Spec, dequantize_nvfp4, nvfp4_gemm, nvfp4_operand
 
-__all__ = ["NVFP4DenseConfig", "nvfp4_config", "nvfp4_dense"]
+__all__ = ["NVFP4DenseConfig", "nvfp4_config", "nvfp4_dense", "needs_sr_key"]
 
 _DGRAD = ((1,), (1,))  # dy[M, N] . K[K, N] over N
 _WGRAD = ((0,), (0,))  # x[M, K] . dy[M, N] over M
@@ -47,19 +47,30 @@ class NVFP4DenseConfig:
 
     @property
     def needs_key(self) -> bool:
-        return any(s.stochastic_rounding for s in (self.x, self.kernel, self.grad))
+        """A role that is cast rounds stochastically (the gradient is not cast under a backward override)."""
+        roles = (self.x, self.kernel) + ((self.grad,) if self.backward_override is None else ())
+        return any(s.stochastic_rounding for s in roles)
 
 
 def _spec(q) -> NVFP4Spec:
     return NVFP4Spec(bool(q.random_hadamard_transform), bool(q.fp4_2d_quantization), bool(q.stochastic_rounding))
 
 
+def _config(recipe: Any, x_dtype=None, kernel_dtype=None, bias_dtype=None) -> NVFP4DenseConfig:
+    specs = (_spec(q) for q in (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad))
+    return NVFP4DenseConfig(*specs, recipe.backward_override, x_dtype, kernel_dtype, bias_dtype)
+
+
 def nvfp4_config(recipe: Any, x_dtype, kernel_dtype, bias_dtype) -> NVFP4DenseConfig:
     """The config of an NVFP4BlockScaling recipe; its unimplemented options are refused, naming them."""
     recipe.check_implemented()
-    specs = (_spec(q) for q in (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad))
-    return NVFP4DenseConfig(*specs, recipe.backward_override, jnp.dtype(x_dtype), jnp.dtype(kernel_dtype),
-                            None if bias_dtype is None else jnp.dtype(bias_dtype))
+    return _config(recipe, jnp.dtype(x_dtype), jnp.dtype(kernel_dtype),
+                   None if bias_dtype is None else jnp.dtype(bias_dtype))
+
+
+def needs_sr_key(recipe: Any) -> bool:
+    """Whether dense under the NVFP4BlockScaling `recipe` needs a stochastic-rounding PRNG key."""
+    return _config(recipe).needs_key
 
 
 def _key(key, role: int, columnwise: bool):

@@ -18,6 +18,7 @@ from .. import context
 from ..batching import state_amax
 from ..cast import max_nonneg
 from ..dense import amax_axes, dense
+from ..nvfp4_dense import needs_sr_key
 from ..sharding import current_mesh_resource
 from ..state import FORWARD_TENSORS, FP8_COLLECTION, group_names, init_group, stage_group, update_forward
 
@@ -117,8 +118,7 @@ def _memo(module: nn.Module) -> Dict:
 def _sr_key(module: nn.Module, recipe: NVFP4BlockScaling) -> Optional[dict]:
     """NVFP4's stochastic-rounding key, {"sr_rng": module.make_rng("sr_rng")} (Transformer Engine JAX's rng
     stream name), when a role rounds stochastically; else None."""
-    roles = (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad)
-    if not any(q.stochastic_rounding for q in roles):
+    if not needs_sr_key(recipe):
         return None
     if not module.has_rng("sr_rng") and not module.is_initializing():  # init falls back to the "params" stream
         raise ValueError(f"{type(module).__name__} {module.name or ''}: NVFP4BlockScaling rounds the gradient "
