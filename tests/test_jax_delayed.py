@@ -485,9 +485,9 @@ def test_one_compilation_across_steps():
 
 def test_recipe_assigned_between_steps_is_traced_again_with_its_fields():
     """Recipes are mutable: autocast reads the fields at entry (the snapshot jax.jit's cache key holds), so an
-    assignment between steps retraces once and the new margin sets the next scales; NVFP4 is refused (the block
-    FP8 recipes run: tests/test_jax_block.py)."""
-    from fp8kit.recipe import NVFP4BlockScaling
+    assignment between steps retraces once and the new margin sets the next scales; a custom recipe is refused (the
+    block recipes run: tests/test_jax_block.py, tests/test_jax_nvfp4.py)."""
+    from fp8kit.recipe import CustomRecipe
 
     traces = []
     recipe = DelayedScaling(amax_history_len=8)
@@ -513,12 +513,12 @@ def test_recipe_assigned_between_steps_is_traced_again_with_its_fields():
     assert len(traces) == 2  # one trace per set of fields
     # the x amax of step i is i + 1 (history max); the scale is float32(448 * 2**-margin) / amax
     assert scales == [float(ref.scaled_max(448.0, m) / np.float32(i + 1)) for i, m in enumerate((0, 0, 1, 1))]
-    for cls in (NVFP4BlockScaling,):
-        with pytest.raises(NotImplementedError, match=cls.__name__):
-            with te.autocast(enabled=True, recipe=cls()):
-                pass
-        with pytest.raises(NotImplementedError, match=cls.__name__):
-            te_flax.make_dot_general_cls(cls())
+    custom = CustomRecipe(qfactory=lambda role: None)
+    with pytest.raises(NotImplementedError, match="CustomRecipe"):
+        with te.autocast(enabled=True, recipe=custom):
+            pass
+    with pytest.raises(NotImplementedError, match="CustomRecipe"):
+        te_flax.make_dot_general_cls(custom)
 
 
 def test_clear_errors():

@@ -115,9 +115,9 @@ def autocast(
     """Run the fp8kit Flax layers (and `fp8kit.jax.dense`) traced inside this context in FP8.
 
     enabled: False runs them in high precision (the default, as in Transformer Engine).
-    recipe: `DelayedScaling`, `Float8CurrentScaling`, `MXFP8BlockScaling` or `Float8BlockScaling`; None means
-      `DelayedScaling()`. Its fields are read at entry (`recipe.snapshot()`, which `get_recipe()` returns):
-      assigning to the recipe later acts from the next entry.
+    recipe: `DelayedScaling`, `Float8CurrentScaling`, `MXFP8BlockScaling`, `Float8BlockScaling` or
+      `NVFP4BlockScaling`; None means `DelayedScaling()`. Its fields are read at entry (`recipe.snapshot()`,
+      which `get_recipe()` returns): assigning to the recipe later acts from the next entry.
     mesh_resource: which mesh axes are data/tensor/... parallel (amaxes are reduced over all but pipeline).
     Contexts nest; the innermost one decides. Settings are read at trace time.
     """
@@ -127,13 +127,13 @@ def autocast(
         recipe = DelayedScaling()
     if not isinstance(recipe, Recipe):
         raise ValueError(
-            f"recipe: expected fp8kit.recipe.DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
-            f"Float8BlockScaling, got {type(recipe).__name__}"
+            f"recipe: expected fp8kit.recipe.DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
+            f"Float8BlockScaling or NVFP4BlockScaling, got {type(recipe).__name__}"
         )
     if not recipe.float8_per_tensor_scaling() and block_kind(recipe) is None:
         raise NotImplementedError(f"autocast: {type(recipe).__name__} is not implemented in fp8kit.jax yet (its "
                                   "quantizers are missing); use DelayedScaling, Float8CurrentScaling, "
-                                  "MXFP8BlockScaling or Float8BlockScaling")
+                                  "MXFP8BlockScaling, Float8BlockScaling or NVFP4BlockScaling")
     recipe = recipe.snapshot()  # the fields at entry: traces (and jax.jit's cache) key on them
     if mesh_resource is None:
         mesh_resource = MeshResource()

@@ -19,6 +19,7 @@ from . import context as _ac
 from .block_dense import block_config, block_dense
 from .cast import F32, fp8_dtype_of
 from .gemm import GemmConfig, HeadConfig, fp8_gemm, head
+from .nvfp4_dense import nvfp4_config, nvfp4_dense
 from .scaling_modes import block_kind
 from .sharding import with_sharding_constraint_by_logical_axes
 from .state import COUNT, GRAD_COUNT, TENSORS
@@ -167,10 +168,12 @@ def dense(
     dict "x_scale", "x_amax_history", "kernel_scale", ..., "grad_amax_history" (["update_count",
     "grad_update_count"]) (`fp8kit.jax.state.init_group(recipe)` makes one); its gradient is the updated state.
     Current scaling and the block recipes (MXFP8BlockScaling, Float8BlockScaling: fp8kit/jax/block_dense.py)
-    need none. Outside autocast this is `lax.dot_general(x, kernel.astype(x.dtype), ...,
-    precision=precision)` plus the bias, in x's dtype. `input_axes` / `kernel_axes` / `output_axes` are logical
-    axis names for sharding constraints. `transpose_batch_sequence` does not change the result (each row is
-    independent); `collective_op_set` must be None (no collective GEMMs).
+    need none; NVFP4BlockScaling (fp8kit/jax/nvfp4_dense.py) takes `quantizer_set={"sr_rng": key}`, the PRNG key
+    of its stochastic rounding (required unless `disable_stochastic_rounding`). Outside autocast this is
+    `lax.dot_general(x, kernel.astype(x.dtype), ..., precision=precision)` plus the bias, in x's dtype.
+    `input_axes` / `kernel_axes` / `output_axes` are logical axis names for sharding constraints.
+    `transpose_batch_sequence` does not change the result (each row is independent); `collective_op_set` must be
+    None (no collective GEMMs).
     """
     if collective_op_set is not None:
         raise NotImplementedError("dense: collective GEMMs (collective_op_set) are not implemented; pass None")
@@ -199,6 +202,9 @@ def dense(
 
 def _fp8_dense(recipe, x2, k2, b2, x_dtype, kernel_dtype, quantizer_set) -> jax.Array:
     kind = block_kind(recipe)
+    if kind == "nvfp4":  # current per-block scales; a PRNG key for stochastic rounding
+        cfg = nvfp4_config(recipe, x_dtype, kernel_dtype, None if b2 is None else b2.dtype)
+        return nvfp4_dense(cfg, x2, k2, b2, _sr_key(quantizer_set))
     if kind is not None:  # current per-block scales: no state
         if quantizer_set is not None:
             raise ValueError(f"dense: {type(recipe).__name__} keeps no scaling state; pass quantizer_set=None")
@@ -234,6 +240,16 @@ def _fp8_dense(recipe, x2, k2, b2, x_dtype, kernel_dtype, quantizer_set) -> jax.
     if isinstance(group["x_scale"], jax.core.Tracer):
         _ac.token_registry().put(group["x_scale"], token)
     return y
+
+
+def _sr_key(quantizer_set) -> Optional[jax.Array]:
+    """The stochastic-rounding key of an NVFP4 call: quantizer_set None or {"sr_rng": key}."""
+    if quantizer_set is None:
+        return None
+    if not isinstance(quantizer_set, Mapping) or set(quantizer_set) != {"sr_rng"}:
+        raise ValueError("dense: NVFP4BlockScaling keeps no scaling state; quantizer_set must be None or "
+                         "{'sr_rng': PRNG key} (the key of stochastic rounding)")
+    return quantizer_set["sr_rng"]
 
 
 def _token(group: dict, recipe: DelayedScaling) -> jax.Array:

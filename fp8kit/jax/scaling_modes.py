@@ -2,8 +2,9 @@
 ScalingMode`), with the predicates user code reads, and which mode a recipe runs with.
 
 Transformer Engine JAX has no mode for Float8 block scaling; fp8kit adds `FLOAT8_BLOCK_SCALING` (not in TE) so
-that `scaling_mode_of(Float8BlockScaling())` has an answer. NVFP4 modes are named but not implemented in
-fp8kit.jax.
+that `scaling_mode_of(Float8BlockScaling())` has an answer. NVFP4BlockScaling runs `NVFP4_1D_SCALING`, and
+`NVFP4_2D_SCALING` for the kernel unless `disable_2d_quantization` (Transformer Engine JAX's
+`get_scaling_mode(TensorSource.KERNEL)`): `scaling_mode_of(recipe, "kernel")`.
 """
 
 from __future__ import annotations
@@ -47,24 +48,29 @@ class ScalingMode(enum.Enum):
 
 
 def block_kind(recipe: Any) -> Optional[str]:
-    """"mxfp8" or "float8_block" for the block-scaled recipes (read from the recipe's predicates), else None."""
-    for kind, predicate in (("mxfp8", "mxfp8"), ("float8_block", "float8_block_scaling")):
+    """"mxfp8", "float8_block" or "nvfp4" for the block-scaled recipes (read from the recipe's predicates), else
+    None."""
+    for kind, predicate in (("mxfp8", "mxfp8"), ("float8_block", "float8_block_scaling"), ("nvfp4", "nvfp4")):
         fn = getattr(recipe, predicate, None)
         if callable(fn) and fn() is True:
             return kind
     return None
 
 
-def scaling_mode_of(recipe: Any) -> ScalingMode:
-    """The scaling mode a recipe runs its GEMMs with (None: NO_SCALING)."""
+def scaling_mode_of(recipe: Any, tensor_source: str = "x") -> ScalingMode:
+    """The scaling mode a recipe quantizes `tensor_source` ("x", "kernel" or "grad") with (None: NO_SCALING)."""
+    if tensor_source not in ("x", "kernel", "grad"):
+        raise ValueError(f"scaling_mode_of: tensor_source must be 'x', 'kernel' or 'grad', got {tensor_source!r}")
     if recipe is None:
         return ScalingMode.NO_SCALING
     kind = block_kind(recipe)
+    if kind == "nvfp4":
+        two_d = tensor_source == "kernel" and not recipe.disable_2d_quantization
+        return ScalingMode.NVFP4_2D_SCALING if two_d else ScalingMode.NVFP4_1D_SCALING
     if kind is not None:
         return ScalingMode.MXFP8_1D_SCALING if kind == "mxfp8" else ScalingMode.FLOAT8_BLOCK_SCALING
     for mode, predicate in ((ScalingMode.DELAYED_TENSOR_SCALING, "delayed"),
-                            (ScalingMode.CURRENT_TENSOR_SCALING, "float8_current_scaling"),
-                            (ScalingMode.NVFP4_1D_SCALING, "nvfp4")):
+                            (ScalingMode.CURRENT_TENSOR_SCALING, "float8_current_scaling")):
         fn = getattr(recipe, predicate, None)
         if callable(fn) and fn() is True:
             return mode

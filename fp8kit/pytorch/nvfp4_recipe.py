@@ -46,13 +46,7 @@ def _quantizers(call, gemm: int):
 def _plan(plan, recipe, module, call) -> None:
     """The block families' options (float32 accumulation, `backward_override`); `row_scaled_activation` (one amax
     per row) is not implemented: refused."""
-    unsupported = recipe.unsupported_4over6()
-    if unsupported is not None:
-        raise NotImplementedError(f"NVFP4BlockScaling({unsupported}): NVFP4 4over6 block scaling is not implemented "
-                                  "in fp8kit; leave the 4over6 options at their defaults")
-    if recipe.row_scaled_activation:
-        raise NotImplementedError("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4 activations are "
-                                  "not implemented in fp8kit")
+    recipe.check_implemented()
     block_plan(plan, recipe, module, call)
 
 

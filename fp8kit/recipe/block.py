@@ -217,6 +217,17 @@ class NVFP4BlockScaling(Recipe):
                 return f"{name}={getattr(self, name)!r}"
         return None
 
+    def check_implemented(self) -> None:
+        """Raise NotImplementedError, naming the field, where the recipe asks for what fp8kit does not implement
+        (4over6 options other than their defaults, `row_scaled_activation`); called at the first FP8 forward."""
+        unsupported = self.unsupported_4over6()
+        if unsupported is not None:
+            raise NotImplementedError(f"NVFP4BlockScaling({unsupported}): NVFP4 4over6 block scaling is not "
+                                      "implemented in fp8kit; leave the 4over6 options at their defaults")
+        if self.row_scaled_activation:
+            raise NotImplementedError("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4 activations "
+                                      "are not implemented in fp8kit")
+
     def _make_repr(self) -> str:
         return (f"recipe_type={type(self).__name__}, fp4_format={self.fp4_format.name}, "
                 f"fp8_format={self.fp8_format.name}, fp8_dpa={self.fp8_dpa}, fp8_mha={self.fp8_mha}, "

@@ -13,11 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
-from ...recipe import DelayedScaling
+from ...recipe import DelayedScaling, NVFP4BlockScaling
 from .. import context
 from ..batching import state_amax
 from ..cast import max_nonneg
 from ..dense import amax_axes, dense
+from ..nvfp4_dense import needs_sr_key
 from ..sharding import current_mesh_resource
 from ..state import FORWARD_TENSORS, FP8_COLLECTION, group_names, init_group, stage_group, update_forward
 
@@ -114,6 +115,18 @@ def _memo(module: nn.Module) -> Dict:
     return table.setdefault(tuple(module.scope.path), {})
 
 
+def _sr_key(module: nn.Module, recipe: NVFP4BlockScaling) -> Optional[dict]:
+    """NVFP4's stochastic-rounding key, {"sr_rng": module.make_rng("sr_rng")} (Transformer Engine JAX's rng
+    stream name), when a role rounds stochastically; else None."""
+    if not needs_sr_key(recipe):
+        return None
+    if not module.has_rng("sr_rng") and not module.is_initializing():  # init falls back to the "params" stream
+        raise ValueError(f"{type(module).__name__} {module.name or ''}: NVFP4BlockScaling rounds the gradient "
+                         "stochastically and needs an 'sr_rng' PRNG stream: pass rngs={'sr_rng': key} to apply "
+                         "(a fresh key per step), or use NVFP4BlockScaling(disable_stochastic_rounding=True)")
+    return {"sr_rng": module.make_rng("sr_rng")}
+
+
 def fp8_state(module: nn.Module, postfix: str = "", collection: str = FP8_COLLECTION,
               recipe: Optional[DelayedScaling] = None) -> Optional[dict]:
     """This GEMM's delayed-scaling variables (postfix removed), created at init; None unless delayed FP8 is on.
@@ -121,6 +134,8 @@ def fp8_state(module: nn.Module, postfix: str = "", collection: str = FP8_COLLEC
     `recipe` defaults to the autocast's. Under a mutable collection, every use in one apply sees the state as the
     step started (the value written by `record_forward` is the next step's)."""
     recipe = context.get_recipe() if recipe is None else recipe
+    if isinstance(recipe, NVFP4BlockScaling):
+        return _sr_key(module, recipe)
     if not isinstance(recipe, DelayedScaling):
         return None
     memo = _memo(module) if module.is_mutable_collection(collection) and not module.is_initializing() else {}

@@ -41,10 +41,10 @@ def _check_recipe(recipe: Optional[Recipe]) -> None:
         return
     if isinstance(recipe, Recipe) and recipe._kind:
         raise NotImplementedError(f"quantization_recipe: {type(recipe).__name__} is not implemented in fp8kit.jax "
-                                  "yet; use DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling or "
-                                  "Float8BlockScaling")
-    raise ValueError(f"quantization_recipe: expected None, DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling "
-                     f"or Float8BlockScaling, got {type(recipe).__name__}")
+                                  "yet; use DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
+                                  "Float8BlockScaling or NVFP4BlockScaling")
+    raise ValueError(f"quantization_recipe: expected None, DelayedScaling, Float8CurrentScaling, MXFP8BlockScaling, "
+                     f"Float8BlockScaling or NVFP4BlockScaling, got {type(recipe).__name__}")
 
 
 def wrap_function_in_te_state_module(f: Callable, quantization_recipe: Optional[Recipe], name: Optional[str] = None,
