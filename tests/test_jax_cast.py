@@ -238,3 +238,18 @@ def test_bad_inputs_have_clear_errors():
         quantize(x, jnp.float8_e4m3fn, amax_epsilon=-1.0)
     with pytest.raises(TypeError, match="Float8Array"):
         dequantize(x)
+
+
+def test_mul_scale_inv_with_a_subnormal_scale_inv_under_jit():
+    """A subnormal scale_inv times a value whose product is normal: exact (float64 reference), jitted or not (XLA
+    folding the two power-of-two steps into one subnormal constant flushed the product to 0 under jit)."""
+    from fp8kit.jax.cast import mul_scale_inv
+
+    rng = np.random.default_rng(3)
+    xs = np.float32(2.0) ** rng.integers(30, 60, 64).astype(np.float32) * rng.uniform(1, 2, 64).astype(np.float32)
+    inv = (rng.integers(1 << 10, 1 << 23, 64) * 2.0 ** -149).astype(np.float32)  # subnormal, any mantissa
+    assert np.all(inv < np.finfo(np.float32).tiny)
+    want = (xs.astype(np.float64) * inv.astype(np.float64)).astype(np.float32)
+    assert np.all(want >= np.finfo(np.float32).tiny)  # normal products: exact in float32
+    for f in (mul_scale_inv, jax.jit(mul_scale_inv)):
+        np.testing.assert_array_equal(np.asarray(f(jnp.asarray(xs), jnp.asarray(inv))), want)

@@ -182,7 +182,9 @@ def mul_scale_inv(x: jax.Array, scale_inv: jax.Array) -> jax.Array:
     plain = x * inv
     b = _bits(inv)
     mant = (b & _MANT_MASK).astype(F32)
-    sub = (x * mant) * _f32(2.0**-100) * _f32(2.0**-49)
+    # The barrier keeps XLA from folding the two power-of-two steps into one subnormal constant (2**-149), which
+    # XLA:CPU flushes to zero under jit.
+    sub = jax.lax.optimization_barrier((x * mant) * _f32(2.0**-100)) * _f32(2.0**-49)
     return jnp.where((b & _EXP_MASK) == 0, sub, plain)
 
 
