@@ -180,9 +180,14 @@ def test_gpu_autocast_ctx_is_the_compute_device_autocast():
         utils.gpu_autocast_ctx(device_type="cpu")
 
 
-def test_fp8kit_gemm_layout_is_tn():
-    # fp8kit keeps Hopper's TN layout: columnwise usage is a transposed FP8 copy
-    assert utils.is_non_tn_fp8_gemm_supported() is False
+def test_non_tn_layout_answer_matches_the_transpose_made():
+    # the answer is what the quantizer does: a columnwise-usage Float8Tensor on the compute device carries a
+    # transposed copy exactly when the layout is TN-only
+    device = utils.autocast_device_type()
+    q = te.Float8CurrentScalingQuantizer(te.DType.kFloat8E4M3, device=device, rowwise=True, columnwise=True)
+    x = q(torch.randn(8, 16, device=device))
+    assert utils.is_non_tn_fp8_gemm_supported() is (device == "cpu")
+    assert (x._transpose is None) is utils.is_non_tn_fp8_gemm_supported()
 
 
 def test_no_grouped_tensor_path_so_use_grouped_tensor_falls_back():
