@@ -117,7 +117,8 @@ def test_fused_adam_native_training_matches_torch():
     a = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     b = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
     b.load_state_dict(a.state_dict())
-    oa, ob = torch.optim.AdamW(a.parameters(), lr=1e-3, weight_decay=0.0), te.optimizers.FusedAdam(b.parameters(), lr=1e-3)
+    oa = torch.optim.AdamW(a.parameters(), lr=1e-3, weight_decay=0.0)
+    ob = te.optimizers.FusedAdam(b.parameters(), lr=1e-3)
     for _ in range(ITERS):
         x = torch.randn(8, 16)
         for m, o in ((a, oa), (b, ob)):

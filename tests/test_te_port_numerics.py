@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import fp8kit.pytorch as te
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+
 import reference as ref
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
 TOL = {torch.float32: (1.3e-6, 5e-5), torch.float16: (1e-2, 5e-3), torch.bfloat16: (2e-2, 5e-2)}  # rtol, atol
 
@@ -104,8 +105,6 @@ def test_layernorm_mlp_accuracy(normalization, activation):
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_fp8_linear_forward_against_reference_casts(fmt):
     # current scaling: x and w cast with their own amax (NumPy reference), multiplied in float64
-    from fp8kit.recipe import Format
-
     torch.manual_seed(3)
     layer = te.Linear(64, 32, bias=False)
     x = torch.randn(16, 64)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fp8kit.pytorch as te
+
 import reference as ref
 
 FMT = {te.DType.kFloat8E4M3: "e4m3", te.DType.kFloat8E5M2: "e5m2"}

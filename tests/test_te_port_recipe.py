@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import fp8kit.pytorch as te
-import reference as ref
 from fp8kit.pytorch.quantization import FP8GlobalStateManager
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+
+import reference as ref
 
 
 def _expected_scale(history: np.ndarray, algo: str, fp8_max: float, margin: int) -> np.ndarray:

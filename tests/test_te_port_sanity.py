@@ -11,9 +11,10 @@ import pytest
 import torch
 
 import fp8kit.pytorch as te
-import reference as ref
 from fp8kit.pytorch.tensor.utils import replace_raw_data
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
+
+import reference as ref
 
 RECIPES = {"none": None, "delayed": DelayedScaling(), "current": Float8CurrentScaling()}
 # (seq, batch, hidden): TE's "small" and an FP8-aligned version of its "weird" config
