@@ -118,3 +118,10 @@ def test_padding_grouped_linear_matches_unpadded(recipe):
     torch.testing.assert_close(out, ref_out[keep], rtol=0, atol=0)
     out.sum().backward()
     assert x.grad.shape == x.shape and torch.isfinite(x.grad).all()
+
+
+def test_no_caller_output_buffers():
+    # TE's newer `out` / `dgrad_out` preallocated buffers are not accepted (docs/pytorch.md, differences)
+    layer = te.GroupedLinear(2, 16, 8)
+    with pytest.raises(TypeError, match="out"):
+        layer(torch.randn(8, 16), [4, 4], out=torch.empty(8, 8))
