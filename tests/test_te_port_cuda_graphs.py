@@ -70,15 +70,15 @@ def test_make_graphed_callables_replays_eager_bits(recipe, module, caching, mode
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("skip_post_hook", [False, True])
-def test_make_graphed_callables_returns_owned_parameter_grads(skip_post_hook):
-    # also for a parameter marked skip_backward_post_hook: compiled on a CPU, there is no static gradient buffer
-    # to hand back (TE's captured graph returns the same buffer for those parameters)
+@pytest.mark.parametrize("policy", ["default", "skip_post_hook", "no_clone"])
+def test_make_graphed_callables_returns_owned_parameter_grads(policy):
+    # also for a parameter marked skip_backward_post_hook and with clone_param_grads_on_return=False: compiled on a
+    # CPU, there is no static gradient buffer to hand back (TE's captured graph returns the same buffer then)
     torch.manual_seed(0)
     linear = torch.nn.Linear(HIDDEN, HIDDEN, bias=False)
-    if skip_post_hook:
+    if policy == "skip_post_hook":
         linear.weight.skip_backward_post_hook = True
-    model = te.make_graphed_callables(linear, (_data(0, False),))
+    model = te.make_graphed_callables(linear, (_data(0, False),), clone_param_grads_on_return=policy != "no_clone")
     seen = []
     hook = model.weight.register_hook(lambda g: seen.append(g) or g)
     try:
