@@ -212,3 +212,26 @@ def test_attributes_of_fp8_weights_survive_module_moves(move):
     m.fc1_weight.clear_high_precision_init_val()
     assert m.fc1_weight.get_high_precision_init_val() is None and not hasattr(m.fc1_weight, "_high_precision_init_val")
     assert m.fc2_weight.get_high_precision_init_val() is not None  # each weight's accessors read their own value
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
+def test_get_quantizer_requantizes_the_high_precision_init_value(recipe):
+    # TE's way to rebuild an FP8 weight from its kept initial value: weight._get_quantizer() makes and fills a new
+    # tensor; its bytes must be those of the reference cast of that value with the weight's scale
+    with te.quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        layer = te.Linear(32, 48)
+    w = layer.weight
+    q = w._get_quantizer()
+    assert q is w._quantizer
+    hp = w.get_high_precision_init_val()
+    fresh = q.make_empty(shape=w.shape, dtype=w.dtype, device=w.device)
+    q.update_quantized(hp.to(w.device), fresh)
+    scale = 1.0 / float(w._scale_inv)
+    expected, _ = ref.cast(hp.float().numpy(), "e4m3", scale)
+    np.testing.assert_array_equal(fresh._data.numpy(), expected)
+    np.testing.assert_array_equal(w._data.numpy(), expected)
+    # without a quantizer of its own, a Float8Tensor falls back on the delayed quantizer of its scale
+    bare = te.Float8Tensor(shape=[2, 2], dtype=torch.float32, data=torch.zeros(2, 2, dtype=torch.uint8),
+                           fp8_dtype=te.DType.kFloat8E4M3, fp8_scale_inv=torch.full([1], 0.5))
+    assert isinstance(bare._get_quantizer(), te.Float8Quantizer)
+    assert float(bare._get_quantizer().scale) == 2.0

@@ -180,9 +180,14 @@ def test_gpu_autocast_ctx_is_the_compute_device_autocast():
         utils.gpu_autocast_ctx(device_type="cpu")
 
 
-def test_fp8kit_gemm_layout_is_tn():
-    # fp8kit keeps Hopper's TN layout: columnwise usage is a transposed FP8 copy
-    assert utils.is_non_tn_fp8_gemm_supported() is False
+def test_non_tn_layout_answer_matches_the_transpose_made():
+    # the answer is what the quantizer does: a columnwise-usage Float8Tensor on the compute device carries a
+    # transposed copy exactly when the layout is TN-only
+    device = utils.autocast_device_type()
+    q = te.Float8CurrentScalingQuantizer(te.DType.kFloat8E4M3, device=device, rowwise=True, columnwise=True)
+    x = q(torch.randn(8, 16, device=device))
+    assert utils.is_non_tn_fp8_gemm_supported() is (device == "cpu")
+    assert (x._transpose is None) is utils.is_non_tn_fp8_gemm_supported()
 
 
 def test_no_grouped_tensor_path_so_use_grouped_tensor_falls_back():
@@ -209,3 +214,23 @@ def test_delayed_wgrad_refuses_the_implicit_fallback_with_a_bias(bias):
     else:
         layer.backward_dw()
         assert layer.weight0.grad is not None and layer.weight1.grad is not None
+
+
+@pytest.mark.parametrize("margin", [0, 1, 3])
+def test_default_sf_compute_is_te_default_scale_rule(margin):
+    from fp8kit.pytorch.quantization import _default_sf_compute
+    from reference import clamp_scale, scaled_max
+
+    fp8_max = 448.0
+    amax = torch.tensor([0.0, 1e-38, 0.7311, 3.0e5, float("inf"), float("nan")])
+    old = torch.tensor([2.0, 3.0, 5.0, 7.0, 11.0, 13.0])
+    scale = old.clone()
+    out = _default_sf_compute(amax, scale, fp8_max, margin)
+    assert out is scale
+    expected = []
+    for a, s in zip(amax.numpy(), old.numpy()):
+        with np.errstate(over="ignore", divide="ignore"):
+            ok = np.isfinite(a) and a > 0
+            expected.append(clamp_scale(scaled_max(fp8_max, margin) / np.float32(a)) if ok else s)
+    np.testing.assert_array_equal(scale.numpy(), np.array(expected, dtype=np.float32))
+    assert scale[1] == torch.finfo(torch.float32).max  # a tiny amax: the quotient overflows to FLT_MAX

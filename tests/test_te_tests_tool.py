@@ -28,6 +28,8 @@ _SPEC.loader.exec_module(tool)
     ("sm80 = get_device_compute_capability() >= (8, 0)", "sm80 = (0, 0) >= (8, 0)"),
     ("torch.cuda.CUDAGraph()", "torch.cuda.CUDAGraph()"),  # no CPU equivalent: left, reported as GPU-only
     ("cuda_graph = 'cudagraphs'", "cuda_graph = 'cudagraphs'"),  # only whole "cuda" strings
+    ("assert x.is_cuda and x._data.is_cuda", "assert x.is_cpu and x._data.is_cpu"),
+    ("x.is_cudagraph_safe", "x.is_cudagraph_safe"),  # whole word only
 ])
 def test_rewrite_rules(before, after):
     assert tool.rewrite(before)[0] == after
@@ -42,3 +44,20 @@ def test_cause_masks_numbers_but_not_names():
     a = tool.cause("AssertionError: max diff 0.125 at index 17 in fp8kit.pytorch")
     b = tool.cause("AssertionError: max diff 2.5e-07 at index 3 in fp8kit.pytorch")
     assert a == b == "AssertionError: max diff N at index N in fp8kit.pytorch"
+
+
+@pytest.mark.parametrize("message,pattern,hit", [
+    ("RuntimeError: Tried to instantiate dummy base class CUDAGraph", "GPU_ONLY_PATTERN", True),
+    ("AssertionError: Tensor-likes are not close!", "GPU_ONLY_PATTERN", False),
+    ("quantized_model_init: FP8 weights under MXFP8BlockScaling are not implemented", "BLOCK_REFUSAL_PATTERN", True),
+    ("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4", "BLOCK_REFUSAL_PATTERN", True),
+    ("make_graphed_callables: cache_quantized_params=True under DelayedScaling", "BLOCK_REFUSAL_PATTERN", False),
+])
+def test_out_of_scope_patterns(message, pattern, hit):
+    import re
+
+    assert bool(re.search(getattr(tool, pattern), message)) is hit
+
+
+def test_te_ops_is_out_of_scope():
+    assert "fp8kit.pytorch.ops" in tool.INTERNAL_MODULES

@@ -24,6 +24,7 @@ Rewrite rules (regular expressions, applied in this order to every copied file):
     C4  `torch.cuda.X` for X in manual_seed, manual_seed_all, get_rng_state, set_rng_state -> `torch.X`
     C5  `torch.cuda.get_device_capability()` and `get_device_compute_capability()` -> `(0, 0)`
         (a CPU has no compute capability; cases gated on a GPU generation take their "no GPU" branch)
+    C6  `.is_cuda` -> `.is_cpu` (device assertions: the tensors now live on the CPU)
   Every other `torch.cuda.*` call (CUDA graphs, memory statistics) is left as it is: on a CPU it raises, and the case
   is reported as out of scope (GPU-only).
 
@@ -42,7 +43,8 @@ plugin versions when fp8kit lacks them (normal initialisation with std sigma, an
 
 Scope: counted apart from the in-scope cases are the cases of the block recipes (a block-recipe placeholder among
 the parameters, or MXFP8/NVFP4/block scaling in the test id or in a skip reason), cases that raise `TEInternal`,
-and cases whose error says that CUDA is absent (GPU-only torch calls).
+cases whose error says that CUDA is absent (GPU-only torch calls, torch's "dummy base class" CUDA classes), and cases
+that fp8kit refuses with a NotImplementedError naming a block recipe (a block-recipe feature not built).
 
 Sampling: `--sample N` keeps at most N in-scope cases of each test function: the first N by a hash of the test id,
 so the choice is deterministic and spread over the parameter product. Cases on TE's large model configs (126m: 12
@@ -86,6 +88,7 @@ CUDA_RULES = [
     ("C3", rf"\btorch\.cuda\.({_TO_CPU})\b", r"torch.cpu.\1"),
     ("C4", rf"\btorch\.cuda\.({_TO_TORCH})\b", r"torch.\1"),
     ("C5", r"\b(?:torch\.cuda\.get_device_capability|get_device_compute_capability)\(\)", "(0, 0)"),
+    ("C6", r"\.is_cuda\b", ".is_cpu"),
 ]
 RULES = IMPORT_RULES + CUDA_RULES
 
@@ -96,11 +99,16 @@ INTERNAL_MODULES = ["transformer_engine_torch", "fp8kit.pytorch.cpp_extensions",
                     "fp8kit.pytorch.modules.grouped_linear._GroupedLinear",
                     "fp8kit.pytorch.attention.dot_product_attention.utils",
                     "fp8kit.pytorch.attention.dot_product_attention._attention_backends",
-                    "fp8kit.pytorch.tensor.grouped_tensor", "fp8kit.pytorch.modules._split_quantization"]
+                    "fp8kit.pytorch.tensor.grouped_tensor", "fp8kit.pytorch.modules._split_quantization",
+                    # TE's second, operation-based API (te.ops): out of scope for fp8kit (docs/pytorch.md)
+                    "fp8kit.pytorch.ops"]
 BLOCK_RECIPES = ["MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"]
 BLOCK_PATTERN = r"mxfp8|nvfp4|fp4|block_?scaling|blockwise|fp8_block"
 GPU_ONLY_PATTERN = (r"Torch not compiled with CUDA|CUDA driver|No CUDA GPUs|Found no NVIDIA driver|"
-                    r"cuda.*not available|CUDA is not available|no CUDA|device='cuda'|CUDA error")
+                    r"cuda.*not available|CUDA is not available|no CUDA|device='cuda'|CUDA error|"
+                    r"Tried to instantiate dummy base class")  # torch's CUDA classes in a build without CUDA
+# fp8kit's refusal of a block-recipe feature (NotImplementedError naming the recipe): out of scope as block recipe
+BLOCK_REFUSAL_PATTERN = r"\b(?:MXFP8BlockScaling|Float8BlockScaling|NVFP4BlockScaling)\b"
 NOOPS = ["FP8GlobalStateManager.reset"]
 TEX_ALIASES = {"DType": "fp8kit.pytorch.DType"}  # TE re-exports tex.DType as te.DType
 LARGE_PATTERN = r"\b126m\b"  # TE's 12-layer, 2048-token model configs: minutes per case on a CPU
@@ -153,6 +161,7 @@ def prepare(te_root: Path, files: list[str], work: Path) -> dict:
     modules = [m for m in modules if not (work / (m.split(".")[0] + ".py")).exists()]
     config = {"imported_modules": modules, "used_names": names, "internal_modules": INTERNAL_MODULES,
               "block_recipes": BLOCK_RECIPES, "block_pattern": BLOCK_PATTERN, "gpu_only_pattern": GPU_ONLY_PATTERN,
+              "block_refusal_pattern": BLOCK_REFUSAL_PATTERN,
               "noops": NOOPS, "large_pattern": LARGE_PATTERN, "tex_aliases": TEX_ALIASES}
     (work / "te_harness.json").write_text(json.dumps(config, indent=1))
     shutil.copy(Path(__file__).with_name("te_tests_plugin.py"), work / "conftest.py")

@@ -49,6 +49,7 @@ _SUPPORT = {
 }
 _BLOCK_WORDS = re.compile(_CONFIG["block_pattern"], re.IGNORECASE)
 _GPU_ONLY = re.compile(_CONFIG["gpu_only_pattern"])
+_BLOCK_REFUSAL = re.compile(_CONFIG["block_refusal_pattern"])
 _LARGE = re.compile(_CONFIG["large_pattern"])
 HARD_TIMEOUT_EXIT = 3  # the exit status of a run stopped by the watchdog (tools/te_tests.py resumes it)
 
@@ -336,6 +337,8 @@ def _out_of_scope(excinfo) -> str | None:
     if excinfo.errisinstance(BlockRecipe):
         return "out of scope: block recipe"
     message = str(excinfo.value)
+    if excinfo.errisinstance(NotImplementedError) and _BLOCK_REFUSAL.search(message):
+        return "out of scope: block recipe"
     if _GPU_ONLY.search(message):
         return "out of scope: GPU-only"
     return None

@@ -10,11 +10,27 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional, Union
 
+import torch
+
 from ..recipe import DelayedScaling, Format, Recipe
+from .cast import scale_from_amax
 from .global_state import FP8GlobalStateManager
 
 __all__ = ["QuantizerRole", "QuantizerRequest", "DelayedScalingRequest", "FP8GlobalStateManager",
            "get_align_size_for_quantization"]
+
+
+def _default_sf_compute(amax, scale, fp8_max: float, margin: float, _fp32_max: float = None):
+    """Transformer Engine's default amax -> scale rule (a name its tests pass inside a `scaling_factor_compute_algo`
+    callable), the rule fp8kit's delayed-scaling updates use: `fp8_max * 2**-margin / amax` in float32 where amax is
+    finite and > 0, the previous scale elsewhere (zero, inf, NaN amax); an infinite quotient (a tiny amax) becomes
+    FLT_MAX. Writes `scale` in place and returns it. `_fp32_max` is accepted for TE's signature (always FLT_MAX)."""
+    if _fp32_max is not None and _fp32_max != torch.finfo(torch.float32).max:
+        raise ValueError(f"_default_sf_compute: _fp32_max must be FLT_MAX, got {_fp32_max}")
+    scaled_max = float(torch.tensor(fp8_max, dtype=torch.float32) * torch.tensor(2.0 ** -float(margin),
+                                                                                   dtype=torch.float32))
+    scale.copy_(scale_from_amax(amax.to(torch.float32), scaled_max, scale.to(torch.float32)))
+    return scale
 
 
 def get_align_size_for_quantization(recipe: Recipe) -> int:

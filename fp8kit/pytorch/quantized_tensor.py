@@ -189,6 +189,15 @@ class QuantizedTensor(torch.Tensor):
         """Quantize `tensor` into this tensor, in place."""
         raise NotImplementedError
 
+    def _get_quantizer(self):
+        """The quantizer that in-place updates of this tensor use (Transformer Engine's name): its own, else the
+        subclass's default (`_build_default_quantizer`)."""
+        quantizer = getattr(self, "_quantizer", None)
+        return quantizer if quantizer is not None else self._build_default_quantizer()
+
+    def _build_default_quantizer(self):
+        raise ValueError(f"{type(self).__name__} has no quantizer and no default quantizer")
+
     def float(self) -> torch.Tensor:
         return self.dequantize(dtype=torch.float32)
 

@@ -41,9 +41,11 @@ def attention_mask_func(attention_scores: torch.Tensor, attention_mask: torch.Te
 
 
 def is_non_tn_fp8_gemm_supported() -> bool:
-    """Whether FP8 GEMMs take operands in any layout, so that no transposed FP8 copy is needed. False: fp8kit keeps
-    the TN layout of Transformer Engine on Hopper (a Float8Tensor used for wgrad/dgrad carries a transposed copy)."""
-    return False
+    """Whether FP8 GEMMs take operands in any layout, so that no transposed FP8 copy is needed (TE: True on Blackwell).
+    True where fp8kit computes on the CPU (the emulated GEMM reads either layout of `_data`, and CPU Float8Tensors
+    carry no `_transpose`); False on CUDA, where fp8kit keeps Hopper's TN layout (a Float8Tensor used for wgrad/dgrad
+    carries a transposed copy)."""
+    return autocast_device_type() == "cpu"
 
 
 def autocast_device_type() -> str:

@@ -188,6 +188,7 @@ class FP8StateMixin:
         # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
         will_recompute = not grad and needs_backward and in_reentrant_checkpoint()
         counted = frame.records_amax and needs_backward and (grad or will_recompute)
+        self._note_recipe(frame.recipe)
         states = self.fp8_states(frame, device) if isinstance(frame.recipe, DelayedScaling) else None
         if frame.records_amax:
             frame.step.forward_called(frame.key, counted, states)
@@ -197,6 +198,17 @@ class FP8StateMixin:
             retain_step(frame.step)
             self._fp8_records.add(record)
         return FP8Call(self, frame, record, False, counted, states)
+
+    def _note_recipe(self, recipe) -> None:
+        """`fp8_meta["recipe"]` becomes the recipe of this call (the snapshot autocast took); a recipe of an unrelated
+        type than the module's last one warns, as in Transformer Engine (its quantizers and states change)."""
+        meta = self.fp8_meta
+        old = meta["recipe"]
+        if old is not None and type(old) is not type(recipe) \
+                and not (isinstance(recipe, type(old)) or isinstance(old, type(recipe))):
+            warnings.warn(f"Recipe type changed from {type(old).__name__} to {type(recipe).__name__}. "
+                          "This may affect model behavior.", stacklevel=4)
+        meta["recipe"] = recipe
 
     def _compiled_call(self, frame: Frame, tensors, device: torch.device) -> FP8Call:
         """A call traced by torch.compile (fp8kit.pytorch.compiled) or captured into a graph (fp8kit.pytorch.graph):

@@ -285,6 +285,9 @@ class BlockScaledTensorMixin:
     def _default_quantizer(self):
         raise NotImplementedError
 
+    def _build_default_quantizer(self):
+        return self._default_quantizer()
+
     def _rebuild(self, fields: Dict[str, Optional[torch.Tensor]]):
         return self._make(fields, self._fp8_dtype, self.dtype, self._flag, self._quantizer)
 
@@ -292,8 +295,7 @@ class BlockScaledTensorMixin:
         """Quantize `tensor` into this tensor's fields, in place, with its quantizer."""
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize_impl(tensor.dtype)
-        quantizer = self._quantizer if self._quantizer is not None else self._default_quantizer()
-        quantizer.update_quantized(tensor.detach(), self, noop_flag=noop_flag)
+        self._get_quantizer().update_quantized(tensor.detach(), self, noop_flag=noop_flag)
         return self
 
     def __reduce_ex__(self, protocol):

@@ -83,12 +83,13 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         (neither the bytes, the scale nor the quantizer's amax), as in Transformer Engine."""
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize_impl(tensor.dtype)
-        quantizer = self._quantizer
-        if quantizer is None:
-            quantizer = Float8Quantizer(torch.reciprocal(self.scale_inv.detach()), torch.zeros(1, device=self.device),
-                                        self._fp8_dtype)
-        quantizer.update_quantized(tensor.detach(), self, noop_flag=noop_flag)
+        self._get_quantizer().update_quantized(tensor.detach(), self, noop_flag=noop_flag)
         return self
+
+    def _build_default_quantizer(self) -> "Float8Quantizer":
+        """Without a quantizer of its own, the delayed-scaling one of the tensor's scale, `float32(1 / scale_inv)`."""
+        return Float8Quantizer(torch.reciprocal(self.scale_inv.detach()), torch.zeros(1, device=self.device),
+                               self._fp8_dtype)
 
     def update_quantizer(self, quantizer: Quantizer) -> None:
         """Use `quantizer` for later in-place updates; replacing a different quantizer warns, as in Transformer
@@ -123,10 +124,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
             raise TypeError(f"Float8Tensor.data must be set to a tensor, got {type(tensor).__name__}")
         src = tensor
         if not isinstance(tensor, Float8Tensor):
-            quantizer = self._quantizer
-            if quantizer is None:
-                quantizer = Float8Quantizer(torch.reciprocal(self.scale_inv.detach()),
-                                            torch.zeros(1, device=self.device), self._fp8_dtype)
+            quantizer = self._get_quantizer()
             src = wrap(quantizer._cast(_check(tensor, "Float8Tensor.data")), quantizer)
         if (self.size(), self.stride(), self.dtype, self.device) != (src.size(), src.stride(), src.dtype, src.device):
             shell = torch.Tensor._make_wrapper_subclass(
