@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser(
-        "demo", help="train a small GPT in bf16 and in FP8 (current, delayed scaling) and compare",
+        "demo", help="train a small GPT in bf16 and in FP8/FP4 (current, delayed, block scaling) and compare",
         description="Train a character-level GPT (fp8kit Linear layers) on the Python standard library's source, "
                     "once per precision with the same seed, initial weights and data order; print a table of "
                     "losses and throughput and write results.json, loss.png, delayed_scaling.png and FP8 "
@@ -118,6 +118,10 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:
         parser.error(str(e))
     fp8 = [r for r in args.recipes if r != "bf16"]
+    blocks32 = [r for r in args.recipes if r.startswith(("mxfp8", "nvfp4"))]
+    if blocks32 and (model.n_embd % 32 or (preset["batch_size"] * model.block_size) % 32):
+        parser.error(f"{blocks32[0]} quantizes blocks of 32 (MXFP8) or 16 values with GEMM dims multiples of 32 "
+                     "(NVFP4): it needs --n-embd and batch-size x block-size multiples of 32")
     if device.startswith("cuda") and fp8 and (model.n_embd % 16 or (preset["batch_size"] * model.block_size) % 8):
         parser.error("FP8 GEMMs on CUDA need --n-embd a multiple of 16 and batch-size x block-size a multiple of 8")
     cfg = TrainConfig(model=model, steps=preset["steps"], batch_size=preset["batch_size"], lr=preset["lr"],
