@@ -5,8 +5,9 @@ take bf16 operands. Variants of one shape are timed in interleaved rounds (the o
 round a batch of iterations, and the reported figure is the median over rounds; ratios are taken against torch
 bf16 measured in the same rounds. CUDA times come from CUDA events, CPU times from `time.perf_counter`.
 The block-scaled recipes (MXFP8, Float8 block scaling, NVFP4, at Transformer Engine's defaults) run at the shapes
-they take (MXFP8 and NVFP4: M, K, N multiples of 32). Peers are imported lazily and skipped with a note when missing: torchao's Float8Linear (dynamic scaling; its
-emulation mode off CUDA) and Transformer Engine's Linear (CUDA only). Also measured: the quantize throughput
+they take (MXFP8 and NVFP4: M, K, N multiples of 32). Peers are imported lazily and skipped with a note when
+missing: torchao's Float8Linear (dynamic scaling; its emulation mode off CUDA) and Transformer Engine's Linear (CUDA
+only). Also measured: the quantize throughput
 (GB/s counted as bytes read once plus bytes written) and the cost of `fp8kit.pytorch.enable_stats`.
 
 On CPU fp8kit emulates the FP8 GEMMs (the FP8 values multiplied exactly in bf16 or float32, float32
