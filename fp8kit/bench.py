@@ -4,8 +4,10 @@ Each shape (M, K, N) is `x [M, K] @ W.T [K, N]` forward, then dgrad and wgrad: 3
 take bf16 operands. Variants of one shape are timed in interleaved rounds (the order rotates every round), each
 round a batch of iterations, and the reported figure is the median over rounds; ratios are taken against torch
 bf16 measured in the same rounds. CUDA times come from CUDA events, CPU times from `time.perf_counter`.
-Peers are imported lazily and skipped with a note when missing: torchao's Float8Linear (dynamic scaling; its
-emulation mode off CUDA) and Transformer Engine's Linear (CUDA only). Also measured: the quantize throughput
+The block-scaled recipes (MXFP8, Float8 block scaling, NVFP4, at Transformer Engine's defaults) run at the shapes
+they take (MXFP8 and NVFP4: M, K, N multiples of 32). Peers are imported lazily and skipped with a note when
+missing: torchao's Float8Linear (dynamic scaling; its emulation mode off CUDA) and Transformer Engine's Linear (CUDA
+only). Also measured: the quantize throughput
 (GB/s counted as bytes read once plus bytes written) and the cost of `fp8kit.pytorch.enable_stats`.
 
 On CPU fp8kit emulates the FP8 GEMMs (the FP8 values multiplied exactly in bf16 or float32, float32
@@ -26,8 +28,11 @@ import fp8kit
 import fp8kit.pytorch as te
 from fp8kit.bench_common import (
     BASELINE,
+    BLOCK,
     CURRENT,
     DELAYED,
+    MXFP8,
+    NVFP4,
     Timer,
     _data,
     _iterations,
@@ -120,6 +125,15 @@ PEERS: List[Tuple[str, Callable]] = [
     ("torchao Float8Linear", _torchao),
     ("transformer_engine", _transformer_engine),
 ]
+# The block-scaled recipes, and the multiple every dim (M, K, N) must be of for them: MXFP8 quantizes 32-element
+# blocks along both layouts; NVFP4 16-element ones, and its GEMMs take K a multiple of 32 (the wgrad's K is M, the
+# dgrad's is N). Float8 block scaling takes any shape (edge blocks are shorter). A shape off the multiple is skipped
+# with a note.
+BLOCK_VARIANTS: List[Tuple[str, Callable, int]] = [
+    ("fp8kit mxfp8", _fp8kit(MXFP8, False), 32),
+    ("fp8kit block", _fp8kit(BLOCK, False), 1),
+    ("fp8kit nvfp4", _fp8kit(NVFP4, False), 32),
+]
 STATS_PAIRS = [("fp8kit current+stats", "fp8kit current"), ("fp8kit delayed+stats", "fp8kit delayed")]
 
 
@@ -128,6 +142,12 @@ def _build(shape, device, skipped: Dict[str, str]) -> Dict[str, Callable[[], Non
     for name, builder in VARIANTS:  # fp8kit and the baseline must run: errors propagate
         steps[name] = builder(shape, device)
         steps[name]()  # warm up
+    for name, builder, multiple in BLOCK_VARIANTS:  # they must run where the shape suits them
+        if any(d % multiple for d in shape):
+            skipped[f"{name} at {'x'.join(map(str, shape))}"] = f"needs M, K and N multiples of {multiple}"
+            continue
+        steps[name] = builder(shape, device)
+        steps[name]()
     for name, builder in PEERS:
         if name in skipped:
             continue

@@ -14,12 +14,16 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
+                           NVFP4BlockScaling)
 
 SHAPES = [(16, 64, 64), (1024, 512, 512), (4096, 1024, 1024)]
 BASELINE = "torch bf16"
 CURRENT = Float8CurrentScaling(fp8_format=Format.HYBRID)
 DELAYED = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max")
+MXFP8 = MXFP8BlockScaling()
+BLOCK = Float8BlockScaling()
+NVFP4 = NVFP4BlockScaling()
 
 
 # CPU flags that say whether bf16 matrix products run natively (AVX-512 BF16 dot products, AMX tiles)

@@ -19,7 +19,10 @@ PRESETS = {
     # nanoGPT's Shakespeare-character model: for a GPU.
     "small": dict(n_layer=6, n_embd=384, n_head=6, block_size=256, batch_size=64, steps=2000, lr=1e-3),
 }
-RECIPE_NAMES = ("bf16", "current", "delayed")
+# The names of fp8kit.demo.train.RECIPES (kept here so that parsing does not import torch; tests/test_cli.py checks
+# they agree) and the default run.
+RECIPE_NAMES = ("bf16", "current", "delayed", "mxfp8", "block", "nvfp4", "nvfp4-nosr", "nvfp4-norht", "nvfp4-no2d")
+DEFAULT_RECIPES = ("bf16", "current", "delayed")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -56,14 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     demo = commands.add_parser(
-        "demo", help="train a small GPT in bf16 and in FP8 (current, delayed scaling) and compare",
+        "demo", help="train a small GPT in bf16 and in FP8/FP4 (current, delayed, block scaling) and compare",
         description="Train a character-level GPT (fp8kit Linear layers) on the Python standard library's source, "
                     "once per precision with the same seed, initial weights and data order; print a table of "
                     "losses and throughput and write results.json, loss.png, delayed_scaling.png and FP8 "
                     "statistics CSVs into --out.")
     demo.add_argument("--steps", type=_positive_int, help="training steps per run (default: the preset's)")
-    demo.add_argument("--recipes", type=_recipe_list, default=list(RECIPE_NAMES),
-                      help="comma list of bf16,current,delayed (default: all three)")
+    demo.add_argument("--recipes", type=_recipe_list, default=list(DEFAULT_RECIPES),
+                      help=f"comma list of {','.join(RECIPE_NAMES)} (default: {','.join(DEFAULT_RECIPES)})")
     demo.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda, cuda:N")
     demo.add_argument("--out", default="./fp8kit-demo", help="output directory (default: ./fp8kit-demo)")
     demo.add_argument("--seed", type=int, default=0, help="seed of the initial weights and the data order")
@@ -115,6 +118,10 @@ def _run_demo(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as e:
         parser.error(str(e))
     fp8 = [r for r in args.recipes if r != "bf16"]
+    blocks32 = [r for r in args.recipes if r.startswith(("mxfp8", "nvfp4"))]
+    if blocks32 and (model.n_embd % 32 or (preset["batch_size"] * model.block_size) % 32):
+        parser.error(f"{blocks32[0]} quantizes blocks of 32 (MXFP8) or 16 values with GEMM dims multiples of 32 "
+                     "(NVFP4): it needs --n-embd and batch-size x block-size multiples of 32")
     if device.startswith("cuda") and fp8 and (model.n_embd % 16 or (preset["batch_size"] * model.block_size) % 8):
         parser.error("FP8 GEMMs on CUDA need --n-embd a multiple of 16 and batch-size x block-size a multiple of 8")
     cfg = TrainConfig(model=model, steps=preset["steps"], batch_size=preset["batch_size"], lr=preset["lr"],

@@ -10,7 +10,7 @@ import torch
 from fp8kit import bench
 from fp8kit.cli import main
 
-SHAPES = [(16, 64, 64), (32, 48, 16)]
+SHAPES = [(16, 64, 64), (32, 48, 16), (32, 64, 32)]
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,18 @@ def test_linear_rows(report):
             assert r["vs_torch_bf16"] == r["median_ms"] / base
             m, k, n = shape
             assert r["tflops"] == pytest.approx(6 * m * k * n / (r["median_ms"] * 1e-3) / 1e12)
+
+
+def test_block_recipes_run_where_the_shape_suits_them(report):
+    """Float8 block scaling at every shape; MXFP8 and NVFP4 where M, K, N are multiples of 32, else a note."""
+    for shape in SHAPES:
+        measured = {r["variant"] for r in report["linear"] if tuple(r["shape"]) == shape}
+        assert "fp8kit block" in measured
+        suits = all(d % 32 == 0 for d in shape)
+        for name in ("fp8kit mxfp8", "fp8kit nvfp4"):
+            note = report["skipped"].get(f"{name} at {'x'.join(map(str, shape))}")
+            assert (name in measured) == suits and (note is None) == suits
+            assert suits or "multiples of 32" in note
 
 
 def test_peers_are_run_or_skipped_with_a_note(report):

@@ -38,6 +38,10 @@ BAD = [
     (["demo", "--steps", "ten"], "fp8kit demo: error: argument --steps: expected a positive integer"),
     (["demo", "--recipes", "bf16,fp4"], "fp8kit demo: error: argument --recipes: expected a comma list"),
     (["demo", "--recipes", "bf16,bf16"], "fp8kit demo: error: argument --recipes: a recipe is listed twice"),
+    (["demo", "--recipes", "bf16,nvfp4", "--n-embd", "48", "--n-head", "4"],
+     "fp8kit demo: error: nvfp4 quantizes blocks of 32 (MXFP8) or 16 values"),
+    (["demo", "--recipes", "mxfp8", "--batch-size", "3", "--block-size", "10"],
+     "fp8kit demo: error: mxfp8 quantizes blocks"),
     (["demo", "--size", "huge"], "fp8kit demo: error: argument --size: invalid choice: 'huge'"),
     (["demo", "--n-embd", "30", "--n-head", "4"], "fp8kit demo: error: n_embd (30) must be a multiple of n_head"),
     (["demo", "--device", "tpu"], "fp8kit demo: error: argument --device:"),
@@ -86,3 +90,11 @@ def test_every_subcommand_has_help_text():
     for name, subparser in sub.choices.items():
         for action in subparser._actions:
             assert action.help, f"{name} {action.option_strings} has no help"
+
+
+def test_demo_recipe_names_are_the_demos_recipes():
+    from fp8kit.cli import DEFAULT_RECIPES, RECIPE_NAMES
+    from fp8kit.demo.train import RECIPES
+
+    assert RECIPE_NAMES == tuple(RECIPES)
+    assert set(DEFAULT_RECIPES) <= set(RECIPE_NAMES)

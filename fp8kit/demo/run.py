@@ -23,10 +23,11 @@ from .train import TrainConfig, train_one
 def results_table(runs: List[dict]) -> str:
     """Final losses, throughput and wall time per run; losses relative to the bf16 run when there is one."""
     base = next((r for r in runs if r["recipe"] == "bf16"), None)
-    lines = [f"{'recipe':<8} {'train loss':>10} {'val loss':>9} {'vs bf16':>8} {'tokens/s':>10} {'wall s':>7}"]
+    w = max([8] + [len(r["recipe"]) for r in runs])
+    lines = [f"{'recipe':<{w}} {'train loss':>10} {'val loss':>9} {'vs bf16':>8} {'tokens/s':>10} {'wall s':>7}"]
     for r in runs:
         rel = "" if base is None or r is base else f"{r['final_val_loss'] / base['final_val_loss'] - 1:+.2%}"
-        lines.append(f"{r['recipe']:<8} {r['final_train_loss']:>10.4f} {r['final_val_loss']:>9.4f} {rel:>8} "
+        lines.append(f"{r['recipe']:<{w}} {r['final_train_loss']:>10.4f} {r['final_val_loss']:>9.4f} {rel:>8} "
                      f"{r['tokens_per_s']:>10,.0f} {r['wall_s']:>7.1f}")
     return "\n".join(lines)
 

@@ -29,7 +29,8 @@ from typing import Dict, List
 import torch
 
 import fp8kit.pytorch as te
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
+                           NVFP4BlockScaling)
 
 from .data import Batches, Corpus
 from .model import GPT, GPTConfig
@@ -41,7 +42,16 @@ RECIPES = {
     "current": Float8CurrentScaling(fp8_format=Format.HYBRID),
     # The settings of Transformer Engine's own examples: a short history and its max.
     "delayed": DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16, amax_compute_algo="max"),
+    # Block-scaled recipes, at Transformer Engine's defaults.
+    "mxfp8": MXFP8BlockScaling(),
+    "block": Float8BlockScaling(),
+    "nvfp4": NVFP4BlockScaling(),
+    # NVFP4 with one of its three components turned off, for an ablation.
+    "nvfp4-nosr": NVFP4BlockScaling(disable_stochastic_rounding=True),
+    "nvfp4-norht": NVFP4BlockScaling(disable_rht=True),
+    "nvfp4-no2d": NVFP4BlockScaling(disable_2d_quantization=True),
 }
+DEFAULT_RECIPES = ("bf16", "current", "delayed")
 TRACKED_LAYER = "blocks.0.mlp.fc"  # whose delayed-scaling state is recorded at every step
 
 

@@ -43,13 +43,16 @@ class RoleQuantizer:
         quantizer.internal = True
         self.quantizer = quantizer
         self.fp8_dtype = quantizer.fp8_torch_dtype
-        self.stats = None  # fp8kit.pytorch.stats records per-tensor scales; block recipes are not recorded
+        self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
 
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledStorage:
         q = self.quantizer
         backward = torch._C._current_graph_task_id() != -1
         q.set_usage(rowwise=True, columnwise=bool(transpose) or torch.is_grad_enabled() or backward)
-        return q.quantize_impl(x)
+        out = q.quantize_impl(x)
+        if self.stats is not None:
+            self.stats.record_block(x, out)
+        return out
 
     def quantize_dbias(self, dy: torch.Tensor) -> Tuple[BlockScaledStorage, torch.Tensor]:
         n = dy.shape[-1] if dy.dim() else 1

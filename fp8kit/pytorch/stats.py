@@ -4,9 +4,14 @@ For each module and tensor role (`input`, `weight`, `grad_output`) a `RoleStats`
 the last reset:
 
   amax        max |x| of the high-precision tensors that were cast (NaN ignored)
-  scale       the scale of the most recent cast (`q = saturate(x * scale)`)
+  scale       the scale of the most recent cast (`q = saturate(x * scale)`); NaN under block scaling (one per block)
   saturated   fraction of elements whose FP8 value is +-max (clipped by the saturation step, or rounded to max)
   underflow   fraction of the NON-ZERO elements of x whose FP8 value is zero (they were flushed by the cast)
+
+Block-scaled recipes (MXFP8, Float8 block scaling, NVFP4) are counted on the rowwise data the quantizer produced
+(the layout the forward GEMM and dgrad read; the columnwise copy has other blocks, and under NVFP4 the Hadamard
+transform): saturated = elements whose code is +-max of the element format (E4M3 448, E5M2 57344, E2M1 6), in
+units of their block's scale; underflow = non-zero x whose code is +-0.
 
 Everything is accumulated on the tensors' device without a host synchronization (per cast: a count of the non-zeros
 of x, a 256-bin histogram of the FP8 bytes and a few scalar operations); `stats()` synchronizes once per row.
@@ -39,8 +44,9 @@ __all__ = ["RoleStats", "ModuleStats", "enable_stats", "disable_stats", "stats",
 ROLES = ("input", "weight", "grad_output")
 STATS_COLUMNS = ("module", "role", "fp8_dtype", "casts", "numel", "amax", "scale", "saturated", "underflow")
 
-# The bit pattern of +max (-max has the sign bit 0x80 set too): E4M3 0.1111.110 = 448, E5M2 0.11110.11 = 57344.
-_MAX_BITS = {torch.float8_e4m3fn: 0x7E, torch.float8_e5m2: 0x7B}
+# Per element format: (the codes of +0, -0, +max, -max). FP8 bytes: E4M3 0.1111.110 = 448, E5M2 0.11110.11 =
+# 57344, sign bit 0x80. E2M1 nibbles (NVFP4, two per byte): 0.11.1 = 6, sign bit 0x8.
+_EDGE_CODES = {"e4m3": (0x00, 0x80, 0x7E, 0xFE), "e5m2": (0x00, 0x80, 0x7B, 0xFB), "e2m1": (0x0, 0x8, 0x7, 0xF)}
 _DTYPE_NAME = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 
 
@@ -48,8 +54,9 @@ class RoleStats:
     """Running statistics of one tensor role of one module (see the module docstring).
 
     Device tensors (created at the first cast, on the cast's device): `amax_value` float32 0-d, `scale_value`
-    float32 0-d, `nonzero` int64 0-d (non-zero elements of the x's), `codes` int64 `[256]` (how often each FP8 bit
-    pattern was produced). Python ints: `casts`, `numel`.
+    float32 0-d, `nonzero` int64 0-d (non-zero elements of the x's), `codes` int64 `[256]` (how often each byte of
+    the quantized data was produced: an FP8 code, or two E2M1 codes for NVFP4). Python ints: `casts`, `numel`;
+    `fp8_dtype` the element format's name ("e4m3", "e5m2", "e2m1").
     """
 
     __slots__ = ("amax_value", "scale_value", "nonzero", "codes", "casts", "numel", "fp8_dtype")
@@ -64,19 +71,32 @@ class RoleStats:
         self.codes: Optional[torch.Tensor] = None
         self.casts = 0
         self.numel = 0
-        self.fp8_dtype: Optional[torch.dtype] = None
+        self.fp8_dtype: Optional[str] = None
 
     def record(self, x: torch.Tensor, q: Float8TensorStorage, scale: torch.Tensor,
                amax_value: Optional[torch.Tensor] = None) -> None:
         """Account one cast of `x` (high precision) into `q` with the float32 `scale` (one element).
 
         `amax_value` is `amax(x)` when the caller already has it (delayed scaling computes it anyway)."""
-        if self.fp8_dtype is not None and self.fp8_dtype != q.fp8_dtype:
+        self._record(x, q._data, _DTYPE_NAME[q.fp8_dtype], scale.reshape(()), amax_value)
+
+    def record_block(self, x: torch.Tensor, q) -> None:
+        """Account one block-scaled cast of `x` into `q` (an MXFP8, Float8 block or NVFP4 storage with rowwise
+        data); the scale column becomes NaN (there is one scale per block)."""
+        if q._rowwise_data is None:
+            raise ValueError(f"{type(q).__name__}: block statistics count the rowwise data, which was not made")
+        fmt = "e2m1" if getattr(q, "_fp4_dtype", None) is not None else _DTYPE_NAME[q.fp8_dtype]
+        nan = torch.full((), float("nan"), dtype=torch.float32, device=x.device)
+        self._record(x, q._rowwise_data, fmt, nan, None)
+
+    def _record(self, x: torch.Tensor, data: torch.Tensor, fmt: str, scale: torch.Tensor,
+                amax_value: Optional[torch.Tensor]) -> None:
+        if self.fp8_dtype is not None and self.fp8_dtype != fmt:
             self.reset()  # the recipe changed the format: counts of different bit patterns do not mix
         if amax_value is None:
             amax_value = amax(x)
-        # One pass over the FP8 bytes: a histogram of the 256 bit patterns (cheaper than separate compares).
-        codes = torch.bincount(q._data.reshape(-1), minlength=256)
+        # One pass over the quantized bytes: a histogram of the 256 bit patterns (cheaper than separate compares).
+        codes = torch.bincount(data.reshape(-1), minlength=256)
         if self.codes is None or self.codes.device != codes.device:
             self.amax_value = torch.zeros((), dtype=torch.float32, device=codes.device)
             self.scale_value = torch.ones((), dtype=torch.float32, device=codes.device)
@@ -85,24 +105,28 @@ class RoleStats:
         self.codes.add_(codes)
         self.nonzero.add_(torch.count_nonzero(x))
         torch.fmax(self.amax_value, amax_value.float(), out=self.amax_value)
-        self.scale_value.copy_(scale.reshape(()))  # a copy now: delayed scaling updates its scale in place later
+        self.scale_value.copy_(scale)  # a copy now: delayed scaling updates its scale in place later
         self.casts += 1
         self.numel += x.numel()
-        self.fp8_dtype = q.fp8_dtype
+        self.fp8_dtype = fmt
 
     def row(self) -> Optional[Dict[str, object]]:
         """A dict with the STATS_COLUMNS other than `module` and `role` (None before the first cast)."""
         if self.casts == 0:
             return None
-        top = _MAX_BITS[self.fp8_dtype]
-        picked = self.codes[[0x00, 0x80, top, top | 0x80]]  # +0, -0, +max, -max
-        values = torch.cat([picked.double(), self.nonzero.double()[None], self.amax_value.double()[None],
-                            self.scale_value.double()[None]])
-        pos_zero, neg_zero, pos_max, neg_max, nonzero_x, amax_value, scale = values.tolist()  # one synchronization
+        codes = self.codes
+        if self.fp8_dtype == "e2m1":  # byte = high nibble * 16 + low nibble: count each nibble's codes
+            by_nibble = codes.view(16, 16)
+            codes = by_nibble.sum(0) + by_nibble.sum(1)
+        picked = codes[list(_EDGE_CODES[self.fp8_dtype])]  # +0, -0, +max, -max
+        values = torch.cat([picked.double(), codes.sum().double()[None], self.nonzero.double()[None],
+                            self.amax_value.double()[None], self.scale_value.double()[None]])
+        # One synchronization.
+        pos_zero, neg_zero, pos_max, neg_max, n_codes, nonzero_x, amax_value, scale = values.tolist()
         zeros_q, saturated = pos_zero + neg_zero, pos_max + neg_max
-        nonzero_q = self.numel - zeros_q
+        nonzero_q = n_codes - zeros_q
         return {
-            "fp8_dtype": _DTYPE_NAME[self.fp8_dtype],
+            "fp8_dtype": self.fp8_dtype,
             "casts": self.casts,
             "numel": self.numel,
             "amax": amax_value,
