@@ -98,7 +98,9 @@ def _run_steps(kind, recipe, placement, backend, steps=3, sums_close=False):
         assert torch.equal(outs[0], outs[1]), f"step {i}: outputs differ"
         for name, g in grads[0].items():
             if sums_close and name.endswith("bias"):  # a float32 sum over rows, in inductor's order
-                torch.testing.assert_close(grads[1][name], g, rtol=2.0**-21, atol=0, msg=f"step {i}: {name}")
+                # the error bound of a float32 sum of ROWS terms in any order, relative to the largest sum
+                bound = ROWS * 2.0**-24 * float(g.abs().max())
+                torch.testing.assert_close(grads[1][name], g, rtol=0, atol=bound, msg=f"step {i}: {name}")
             else:
                 assert torch.equal(g, grads[1][name]), f"step {i}: {name} gradients differ"
     return counter
