@@ -47,8 +47,9 @@ class RoleQuantizer:
 
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> BlockScaledStorage:
         q = self.quantizer
-        backward = torch._C._current_graph_task_id() != -1
-        q.set_usage(rowwise=True, columnwise=bool(transpose) or torch.is_grad_enabled() or backward)
+        columnwise = bool(transpose) or torch.is_grad_enabled() or _may_be_backward()
+        if q.columnwise_usage is not columnwise or not q.rowwise_usage:  # (a traced graph cannot set them)
+            q.set_usage(rowwise=True, columnwise=columnwise)
         out = q.quantize_impl(x)
         if self.stats is not None:
             self.stats.record_block(x, out)
@@ -69,6 +70,12 @@ def weight_parameter_quantizer(role: RoleQuantizer):
     q.internal = False
     q.set_usage(rowwise=True, columnwise=True)
     return q
+
+
+def _may_be_backward() -> bool:
+    """Inside a backward pass, or traced by torch.compile (which traces the forward and the backward of an
+    autograd Function alike, and cannot trace the engine's task id): the columnwise layout may be read."""
+    return torch.compiler.is_compiling() or torch._C._current_graph_task_id() != -1
 
 
 def _formats(recipe) -> Tuple[torch.dtype, torch.dtype]:

@@ -111,14 +111,16 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     return _LinearFunction.apply(x, weight, bias, plan)
 
 
-def _weight_operand(plan: LinearPlan, rebuild, saved, inv, inv_value):
+def _weight_operand(plan: LinearPlan, rebuild, saved: tuple, inv_value):
     """The FP8 weight for dgrad: the forward's storage itself when it still holds the saved bytes (no saved-tensor
-    hook replaced them), so that the CPU GEMM's widened values made in the forward serve again; else rebuilt."""
+    hook replaced them), so that the CPU GEMM's widened values made in the forward serve again; else rebuilt from
+    `saved` (the tensors of its `saved_form`)."""
     forward = plan.weight_fp8
-    if forward is not None and (getattr(forward, "_data", None) is saved
-                                or getattr(forward, "fp8_view", lambda: None)() is saved):  # uint8 bytes: a view
+    first = saved[0]
+    if forward is not None and (getattr(forward, "_data", None) is first
+                                or getattr(forward, "fp8_view", lambda: None)() is first):  # uint8 bytes: a view
         return forward
-    return rebuild(saved, inv, inv_value)
+    return rebuild(*saved, inv_value)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -162,11 +164,12 @@ class _LinearFunction(torch.autograd.Function):
         # Save FP8 operands where the backward uses them, high-precision ones only where it must.
         x_as_fp8 = keep_x_fp8 or (mode == "dequantized" and fprop and not plan.save_original_input)
         w_as_fp8 = dgrad or (mode == "dequantized" and fprop)
-        # An FP8 operand is saved in the form its storage class gives (saved_form) and rebuilt by it (from_saved):
-        # the GEMMs of each recipe family read their own storage.
-        x_saved, x_inv = x_fp8.saved_form() if x_as_fp8 else (x, None)
-        w_saved, w_inv = w_fp8.saved_form() if w_as_fp8 else (weight, None)
-        ctx.save_for_backward(x_saved, x_inv, w_saved, w_inv)
+        # An FP8 operand is saved in the form its storage class gives (saved_form: a tuple of tensors) and rebuilt
+        # by it (from_saved): the GEMMs of each recipe family read their own storage.
+        x_saved = x_fp8.saved_form() if x_as_fp8 else (x, None)
+        w_saved = w_fp8.saved_form() if w_as_fp8 else (weight, None)
+        ctx.save_for_backward(*x_saved, *w_saved)
+        ctx.x_count = len(x_saved)
         ctx.plan = plan
         ctx.as_fp8 = (x_as_fp8, w_as_fp8)
         ctx.rebuild = (x_fp8.from_saved if x_as_fp8 else None, w_fp8.from_saved if w_as_fp8 else None)
@@ -187,7 +190,8 @@ class _LinearFunction(torch.autograd.Function):
                 "twice outside fp8kit.pytorch.autocast (or with override_linear_precision=(False, True, True)).")
         tp = plan.tp
         gather = tp is not None and tp.gathers_grad_output
-        x_saved, x_inv, w_saved, w_inv = ctx.saved_tensors
+        saved = ctx.saved_tensors
+        x_saved, w_saved = saved[:ctx.x_count], saved[ctx.x_count:]
         x_as_fp8, w_as_fp8 = ctx.as_fp8
         x_dtype, w_dtype = ctx.dtypes
         dy = dy.contiguous()
@@ -211,24 +215,24 @@ class _LinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             if dgrad:
-                dx = gemm(dy_fp8, _weight_operand(plan, ctx.rebuild[1], w_saved, w_inv, ctx.inv_values[1]), x_dtype,
+                dx = gemm(dy_fp8, _weight_operand(plan, ctx.rebuild[1], w_saved, ctx.inv_values[1]), x_dtype,
                           use_fast_accum=plan.fast_accum[1])
             else:
-                w = ctx.rebuild[1](w_saved, w_inv, ctx.inv_values[1]).dequantize(dtype=dy.dtype) if w_as_fp8 \
-                    else w_saved
+                w = ctx.rebuild[1](*w_saved, ctx.inv_values[1]).dequantize(dtype=dy.dtype) if w_as_fp8 \
+                    else w_saved[0]
                 dx = dy @ w
             if tp is not None and tp.mode == "column":  # partial sums over the output shards
                 dx = reduce_scatter_along_first_dim(dx, tp.group) if tp.sequence_parallel \
                     else all_reduce_sum(dx, tp.group)
         if ctx.needs_input_grad[1]:
             if x_as_fp8:
-                x_operand = ctx.rebuild[0](x_saved, x_inv, ctx.inv_values[0])
+                x_operand = ctx.rebuild[0](*x_saved, ctx.inv_values[0])
                 if ctx.x_codes_finite:  # the forward's cast saw no NaN: the widening needs no check
                     x_operand._codes_finite = True
             elif wgrad:  # save_original_input: cast the original input again (current scaling repeats its bytes)
-                x_operand = plan.input_q.quantize(x_saved)
+                x_operand = plan.input_q.quantize(x_saved[0])
             else:
-                x_operand = x_saved
+                x_operand = x_saved[0]
             dw = _weight_grad(plan, dy_fp8 if wgrad else dy, x_operand, wgrad, w_dtype)
         if want_db:
             if db is None:

@@ -147,14 +147,45 @@ class BlockScaledStorage(QuantizedTensorStorage):
         """The same fields as the torch.Tensor subclass (what `ctx.save_for_backward` can hold)."""
         raise NotImplementedError
 
-    def saved_form(self) -> Tuple[torch.Tensor, None]:
-        """(a tensor holding every field, None) for `ctx.save_for_backward`; `from_saved` gives the operand back."""
+    _SAVED_FIELDS = FIELDS  # what `saved_form` hands to a traced graph, in this order
+
+    def saved_form(self) -> Tuple[Optional[torch.Tensor], ...]:
+        """The tensors to hand to `ctx.save_for_backward`; `from_saved(*tensors, scale_inv_value)` gives the operand
+        back. Eager: (the tensor subclass holding every field, None), so that saved-tensor hooks (CPU offload) see
+        one quantized tensor. Traced by torch.compile, where no tensor subclass can be built: the fields."""
+        if torch.compiler.is_compiling():
+            return tuple(getattr(self, name) for name in self._SAVED_FIELDS)
         return self.as_tensor(), None
 
-    @staticmethod
-    def from_saved(data, scale_inv=None, scale_inv_value=None):
-        """The operand `saved_form` gave (the tensor subclass is itself a storage)."""
-        return data
+    @property
+    def from_saved(self):
+        """The function that rebuilds the operand from the tensors `saved_form` gave (then `scale_inv_value`,
+        unused). It holds no tensor of this storage: kept by an autograd context, it must not keep the forward's
+        bytes alive past saved-tensor hooks (nor, traced, reach the backward graph other than as saved tensors)."""
+        if torch.compiler.is_compiling():
+            return _FieldsRebuild(type(self), tuple(n.lstrip("_") for n in self._SAVED_FIELDS), self._metadata())
+        return _saved_tensor
+
+    def _metadata(self) -> dict:
+        """The storage constructor's keywords other than the fields (format, quantizer, nominal dtype, ...)."""
+        raise NotImplementedError
+
+
+def _saved_tensor(data, scale_inv=None, scale_inv_value=None):
+    """The operand an eager `saved_form` gave: the saved tensor subclass, itself a storage."""
+    return data
+
+
+class _FieldsRebuild:
+    """A block storage of `cls` over the saved fields (the traced `saved_form`), with `metadata`."""
+
+    __slots__ = ("cls", "names", "metadata")
+
+    def __init__(self, cls, names: Tuple[str, ...], metadata: dict):
+        self.cls, self.names, self.metadata = cls, names, metadata
+
+    def __call__(self, *saved):
+        return self.cls(**dict(zip(self.names, saved)), **self.metadata)
 
 
 class TransposedBlockOperand:

@@ -109,6 +109,10 @@ class Float8BlockwiseQTensorStorage(BlockScaledStorage):
             return self
         return Float8BlockwiseQTensor._make(self._fields(), self._fp8_dtype, self._dtype, self._flag, self._quantizer)
 
+    def _metadata(self) -> dict:
+        return dict(fp8_dtype=self._fp8_dtype, quantizer=self._quantizer, is_2D_scaled=self._is_2D_scaled,
+                    fake_dtype=self._dtype)
+
     def __repr__(self) -> str:
         return (f"Float8BlockwiseQTensorStorage(shape={tuple(self._logical_shape())}, "
                 f"fp8_dtype={self._fp8_dtype.name}, is_2D_scaled={self._is_2D_scaled}, usages={self.get_usages()}, "

@@ -92,6 +92,9 @@ class MXFP8TensorStorage(BlockScaledStorage):
             return self
         return MXFP8Tensor._make(self._fields(), self._fp8_dtype, self._dtype, self._flag, self._quantizer)
 
+    def _metadata(self) -> dict:
+        return dict(fp8_dtype=self._fp8_dtype, quantizer=self._quantizer, fake_dtype=self._dtype)
+
     def __repr__(self) -> str:
         return (f"MXFP8TensorStorage(shape={tuple(self._logical_shape())}, fp8_dtype={self._fp8_dtype.name}, "
                 f"usages={self.get_usages()}, dtype={self._dtype})")

@@ -152,6 +152,11 @@ class NVFP4TensorStorage(BlockScaledStorage):
         return NVFP4Tensor._make(self._fields(), self._fp4_dtype, self._dtype, False, self._quantizer,
                                  shape=self._logical_shape())
 
+    _SAVED_FIELDS = NVFP4_FIELDS
+
+    def _metadata(self) -> dict:
+        return dict(quantizer=self._quantizer, fake_dtype=self._dtype, shape=self._logical_shape())
+
     def __repr__(self) -> str:
         return (f"NVFP4TensorStorage(shape={tuple(self._logical_shape())}, usages={self.get_usages()}, "
                 f"dtype={self._dtype})")
