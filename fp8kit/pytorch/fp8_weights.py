@@ -189,6 +189,17 @@ def is_fp8_parameter(t) -> bool:
     return isinstance(t, Float8Tensor)
 
 
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """torch's default dtype set to `dtype` inside the scope (parameters created there take it), restored after."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def is_quantized_weight(t) -> bool:
     """Whether `t` is a weight made by `quantized_model_init` (a Float8Tensor or a block-scaled quantized tensor)."""
     return isinstance(t, QuantizedTensor)
