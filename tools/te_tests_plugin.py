@@ -246,6 +246,7 @@ def _sample_key(nodeid: str) -> str:
     return hashlib.sha1(nodeid.encode()).hexdigest()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own -k / -m deselection: sample and count the selected cases
 def pytest_collection_modifyitems(config, items):
     _COLLECTING[0] = False
     config._te_counts = {"collected": len(items)}
