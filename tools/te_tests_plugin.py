@@ -6,8 +6,9 @@ It does four things, all described in tools/te_tests.py's docstring:
    instead of the whole file.
 2. Sampling: `--te-sample N` keeps at most N cases of each test function (deterministic, spread over the
    parameter space by a hash of the test id).
-3. Scope: cases of the block recipes (MXFP8, Float8BlockScaling, NVFP4) are not run (unless --block); cases that fail in TE
-   internals (placeholders of `tex` and TE's C++ wrappers) or in GPU-only torch calls are reported as out of scope.
+3. Scope: cases of the block recipes (MXFP8, Float8BlockScaling, NVFP4) are not run (unless --block); cases that
+   fail in TE internals (placeholders of `tex` and TE's C++ wrappers) or in GPU-only torch calls are reported as out
+   of scope.
 4. A per-case timeout (`--te-timeout S`, SIGALRM) and one JSON line per case in `--te-report FILE`.
 """
 
