@@ -244,3 +244,16 @@ def test_te_dtype_mapping_has_te_numbers():
                 torch.float8_e4m3fn: 7, torch.float8_e5m2: 8}
     assert {d: int(v) for d, v in TE_DType.items()} == expected
     assert all(TE_DType_To_Torch[v] is d for d, v in TE_DType.items())
+
+
+@pytest.mark.parametrize("fmt,fwd,bwd", [("E4M3", torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                         ("E5M2", torch.float8_e5m2, torch.float8_e5m2),
+                                         ("HYBRID", torch.float8_e4m3fn, torch.float8_e5m2)])
+def test_get_fp8_dtype_of_recipe(fmt, fwd, bwd):
+    from fp8kit.pytorch.quantization import get_fp8_te_dtype, get_fp8_torch_dtype
+    from fp8kit.recipe import DelayedScaling, Format
+
+    r = DelayedScaling(fp8_format=getattr(Format, fmt))
+    assert get_fp8_torch_dtype(r) is fwd and get_fp8_torch_dtype(r, fprop_tensor=False) is bwd
+    numbers = {torch.float8_e4m3fn: 7, torch.float8_e5m2: 8}  # NVTEDType kFloat8E4M3, kFloat8E5M2
+    assert int(get_fp8_te_dtype(r)) == numbers[fwd] and int(get_fp8_te_dtype(r, False)) == numbers[bwd]

@@ -49,6 +49,8 @@ def test_cause_masks_numbers_but_not_names():
 @pytest.mark.parametrize("message,pattern,hit", [
     ("RuntimeError: Tried to instantiate dummy base class CUDAGraph", "GPU_ONLY_PATTERN", True),
     ("AssertionError: Tensor-likes are not close!", "GPU_ONLY_PATTERN", False),
+    ("RuntimeError: 0 active drivers ([]). There should only be one.", "GPU_ONLY_PATTERN", True),  # Triton
+    ("RuntimeError: 2 active drivers", "GPU_ONLY_PATTERN", False),
     ("quantized_model_init: FP8 weights under MXFP8BlockScaling are not implemented", "BLOCK_REFUSAL_PATTERN", True),
     ("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4", "BLOCK_REFUSAL_PATTERN", True),
     ("make_graphed_callables: cache_quantized_params=True under DelayedScaling", "BLOCK_REFUSAL_PATTERN", False),
