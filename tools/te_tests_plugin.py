@@ -216,7 +216,7 @@ def _placeholders(value, depth=0) -> list:
     has counts as the placeholder of its class."""
     if isinstance(value, Missing):
         return [value]
-    if type(value).__name__ in _BLOCK_RECIPES:
+    if type(value).__name__ in _BLOCK_RECIPES and not _BLOCK_IN_SCOPE:
         return [Missing(type(value).__name__ + "()", instance=True)]
     if depth < 3 and isinstance(value, (list, tuple)):
         return [m for v in value for m in _placeholders(v, depth + 1)]
