@@ -257,3 +257,10 @@ def test_get_fp8_dtype_of_recipe(fmt, fwd, bwd):
     assert get_fp8_torch_dtype(r) is fwd and get_fp8_torch_dtype(r, fprop_tensor=False) is bwd
     numbers = {torch.float8_e4m3fn: 7, torch.float8_e5m2: 8}  # NVTEDType kFloat8E4M3, kFloat8E5M2
     assert int(get_fp8_te_dtype(r)) == numbers[fwd] and int(get_fp8_te_dtype(r, False)) == numbers[bwd]
+
+
+def test_quantization_module_exports_autocast():
+    """TE defines `autocast` in transformer_engine.pytorch.quantization; TE's tests import it from there."""
+    from fp8kit.pytorch import quantization
+
+    assert quantization.autocast is te.autocast

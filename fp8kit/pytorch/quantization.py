@@ -13,11 +13,12 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..recipe import DelayedScaling, Format, Recipe
+from .autocast import autocast
 from .cast import fp8_dtype_of, scale_from_amax
 from .constants import DType, te_dtype
 from .global_state import FP8GlobalStateManager
 
-__all__ = ["QuantizerRole", "QuantizerRequest", "DelayedScalingRequest", "FP8GlobalStateManager",
+__all__ = ["autocast", "QuantizerRole", "QuantizerRequest", "DelayedScalingRequest", "FP8GlobalStateManager",
            "get_align_size_for_quantization", "get_fp8_torch_dtype", "get_fp8_te_dtype"]
 
 
