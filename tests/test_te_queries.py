@@ -234,3 +234,33 @@ def test_default_sf_compute_is_te_default_scale_rule(margin):
             expected.append(clamp_scale(scaled_max(fp8_max, margin) / np.float32(a)) if ok else s)
     np.testing.assert_array_equal(scale.numpy(), np.array(expected, dtype=np.float32))
     assert scale[1] == torch.finfo(torch.float32).max  # a tiny amax: the quotient overflows to FLT_MAX
+
+
+def test_te_dtype_mapping_has_te_numbers():
+    """`constants.TE_DType` as TE defines it: seven torch dtypes to NVTEDType numbers (transformer_engine.h)."""
+    from fp8kit.pytorch.constants import TE_DType, TE_DType_To_Torch
+
+    expected = {torch.uint8: 0, torch.int32: 2, torch.float32: 4, torch.float16: 5, torch.bfloat16: 6,
+                torch.float8_e4m3fn: 7, torch.float8_e5m2: 8}
+    assert {d: int(v) for d, v in TE_DType.items()} == expected
+    assert all(TE_DType_To_Torch[v] is d for d, v in TE_DType.items())
+
+
+@pytest.mark.parametrize("fmt,fwd,bwd", [("E4M3", torch.float8_e4m3fn, torch.float8_e4m3fn),
+                                         ("E5M2", torch.float8_e5m2, torch.float8_e5m2),
+                                         ("HYBRID", torch.float8_e4m3fn, torch.float8_e5m2)])
+def test_get_fp8_dtype_of_recipe(fmt, fwd, bwd):
+    from fp8kit.pytorch.quantization import get_fp8_te_dtype, get_fp8_torch_dtype
+    from fp8kit.recipe import DelayedScaling, Format
+
+    r = DelayedScaling(fp8_format=getattr(Format, fmt))
+    assert get_fp8_torch_dtype(r) is fwd and get_fp8_torch_dtype(r, fprop_tensor=False) is bwd
+    numbers = {torch.float8_e4m3fn: 7, torch.float8_e5m2: 8}  # NVTEDType kFloat8E4M3, kFloat8E5M2
+    assert int(get_fp8_te_dtype(r)) == numbers[fwd] and int(get_fp8_te_dtype(r, False)) == numbers[bwd]
+
+
+def test_quantization_module_exports_autocast():
+    """TE defines `autocast` in transformer_engine.pytorch.quantization; TE's tests import it from there."""
+    from fp8kit.pytorch import quantization
+
+    assert quantization.autocast is te.autocast

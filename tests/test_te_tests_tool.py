@@ -49,6 +49,8 @@ def test_cause_masks_numbers_but_not_names():
 @pytest.mark.parametrize("message,pattern,hit", [
     ("RuntimeError: Tried to instantiate dummy base class CUDAGraph", "GPU_ONLY_PATTERN", True),
     ("AssertionError: Tensor-likes are not close!", "GPU_ONLY_PATTERN", False),
+    ("RuntimeError: 0 active drivers ([]). There should only be one.", "GPU_ONLY_PATTERN", True),  # Triton
+    ("RuntimeError: 2 active drivers", "GPU_ONLY_PATTERN", False),
     ("quantized_model_init: FP8 weights under MXFP8BlockScaling are not implemented", "BLOCK_REFUSAL_PATTERN", True),
     ("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4", "BLOCK_REFUSAL_PATTERN", True),
     ("make_graphed_callables: cache_quantized_params=True under DelayedScaling", "BLOCK_REFUSAL_PATTERN", False),
@@ -61,3 +63,56 @@ def test_out_of_scope_patterns(message, pattern, hit):
 
 def test_te_ops_is_out_of_scope():
     assert "fp8kit.pytorch.ops" in tool.INTERNAL_MODULES
+
+
+def _fake_te(root):
+    """A minimal TE tree: a block test in a subfolder importing a helper beside it, and a top-level test file."""
+    tests = root / "tests" / "pytorch"
+    (tests / "nvfp4").mkdir(parents=True)
+    (tests / "nvfp4" / "nvfp4_utils.py").write_text("import transformer_engine.pytorch as te\n")
+    (tests / "nvfp4" / "unused_helper.py").write_text("x = 1\n")
+    (tests / "nvfp4" / "test_q.py").write_text("from nvfp4_utils import te\nx = 'cuda'\n")
+    (tests / "test_a.py").write_text("import transformer_engine.pytorch as te\n")
+    return root
+
+
+@pytest.mark.parametrize("block", [False, True])
+def test_prepare_puts_block_recipes_in_scope_only_with_block(tmp_path, block):
+    import json
+
+    te_root, work = _fake_te(tmp_path / "te"), tmp_path / "work"
+    work.mkdir()
+    fired = tool.prepare(te_root, ["nvfp4/test_q.py", "test_a.py"], work, block=block)
+    config = json.loads((work / "te_harness.json").read_text())
+    assert config["block_in_scope"] is block
+    # the subfolder file keeps its folder, comes with the helper it imports (rewritten), not with the unused one
+    assert (work / "nvfp4" / "test_q.py").read_text() == 'from nvfp4_utils import te\nx = "cpu"\n'
+    assert (work / "nvfp4" / "nvfp4_utils.py").read_text() == "import fp8kit.pytorch as te\n"
+    assert not (work / "nvfp4" / "unused_helper.py").exists()
+    assert fired["nvfp4/test_q.py"]["C1"] == 1
+
+
+def test_block_option_defaults_off():
+    parser_args = []
+
+    def fake_prepare(te_root, files, work, block=False):
+        parser_args.append(block)
+        raise SystemExit(0)
+
+    original = tool.prepare
+    tool.prepare = fake_prepare
+    try:
+        for argv, expected in ([], False), (["--block"], True):
+            with pytest.raises(SystemExit):
+                tool.main(["--out", "/nonexistent-te-tests-out", "--files", "x.py", *argv])
+            assert parser_args[-1] is expected
+    finally:
+        tool.prepare = original
+
+
+def test_sibling_imports_follow_plain_imports_transitively(tmp_path):
+    (tmp_path / "a.py").write_text("import b\nfrom os import path\n")
+    (tmp_path / "b.py").write_text("from c import x\n")
+    (tmp_path / "c.py").write_text("x = 1\n")
+    (tmp_path / "d.py").write_text("")
+    assert sorted(p.name for p in tool.sibling_imports(tmp_path / "a.py")) == ["b.py", "c.py"]

@@ -1,6 +1,7 @@
 """Run Transformer Engine's own PyTorch tests against fp8kit and count what passes.
 
     python tools/te_tests.py --te /work/te --out results/ [--sample 4] [--timeout 20] [--files test_recipe.py ...]
+                             [--block]
 
 The selected test files of a TE checkout (tests/pytorch) and the helpers they import are copied into a temporary
 directory, changed only by the mechanical rewrite rules below, and run with pytest (one process per file, the
@@ -45,6 +46,13 @@ Scope: counted apart from the in-scope cases are the cases of the block recipes 
 the parameters, or MXFP8/NVFP4/block scaling in the test id or in a skip reason), cases that raise `TEInternal`,
 cases whose error says that CUDA is absent (GPU-only torch calls, torch's "dummy base class" CUDA classes), and cases
 that fp8kit refuses with a NotImplementedError naming a block recipe (a block-recipe feature not built).
+
+`--block` puts the block recipes in scope: their cases are run and counted like the others, a missing block-recipe
+name is a MissingName, and fp8kit's NotImplementedError naming a block recipe and TE's skips naming one are counted
+in scope (failed, skipped). Without it the scope is as above.
+
+Files in subfolders of tests/pytorch (`nvfp4/test_nvfp4_gemm_exact.py`) are copied to the same subfolder; with every
+selected file come the modules next to it that it imports (`nvfp4_utils.py`, `test_float8_current_scaling_exact.py`).
 
 Sampling: `--sample N` keeps at most N in-scope cases of each test function: the first N by a hash of the test id,
 so the choice is deterministic and spread over the parameter product. Cases on TE's large model configs (126m: 12
@@ -106,7 +114,8 @@ BLOCK_RECIPES = ["MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"]
 BLOCK_PATTERN = r"mxfp8|nvfp4|fp4|block_?scaling|blockwise|fp8_block"
 GPU_ONLY_PATTERN = (r"Torch not compiled with CUDA|CUDA driver|No CUDA GPUs|Found no NVIDIA driver|"
                     r"cuda.*not available|CUDA is not available|no CUDA|device='cuda'|CUDA error|"
-                    r"Tried to instantiate dummy base class")  # torch's CUDA classes in a build without CUDA
+                    r"Tried to instantiate dummy base class|"  # torch's CUDA classes in a build without CUDA
+                    r"\b0 active drivers\b")  # Triton kernels (TE's reference GEMM) with no GPU driver
 # fp8kit's refusal of a block-recipe feature (NotImplementedError naming the recipe): out of scope as block recipe
 BLOCK_REFUSAL_PATTERN = r"\b(?:MXFP8BlockScaling|Float8BlockScaling|NVFP4BlockScaling)\b"
 NOOPS = ["FP8GlobalStateManager.reset"]
@@ -142,11 +151,31 @@ def _analyse(sources: list[str]) -> tuple[list[str], list[str]]:
     return sorted(modules), sorted(names)
 
 
-def prepare(te_root: Path, files: list[str], work: Path) -> dict:
+def sibling_imports(path: Path) -> list[Path]:
+    """The modules next to `path` that it imports by plain name (`from nvfp4_utils import ...`), transitively."""
+    found, todo = [], [path]
+    while todo:
+        try:
+            tree = ast.parse(todo.pop().read_text())
+        except (SyntaxError, OSError):
+            continue
+        for node in ast.walk(tree):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else \
+                [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                sibling = path.parent / (name.split(".")[0] + ".py")
+                if sibling.exists() and sibling != path and sibling not in found:
+                    found.append(sibling)
+                    todo.append(sibling)
+    return found
+
+
+def prepare(te_root: Path, files: list[str], work: Path, block: bool = False) -> dict:
     """Copy and rewrite the test files and helpers into `work`; return the rules' counts per file."""
     src = te_root / "tests" / "pytorch"
     fired, sources = {}, []
     targets = [src / f for f in files] + [src / h for h in HELPERS if (src / h).exists()]
+    targets += [s for f in files for s in sibling_imports(src / f) if s not in targets]
     for path in targets:
         paths = sorted(path.rglob("*.py")) if path.is_dir() else [path]
         for p in paths:
@@ -162,7 +191,7 @@ def prepare(te_root: Path, files: list[str], work: Path) -> dict:
     config = {"imported_modules": modules, "used_names": names, "internal_modules": INTERNAL_MODULES,
               "block_recipes": BLOCK_RECIPES, "block_pattern": BLOCK_PATTERN, "gpu_only_pattern": GPU_ONLY_PATTERN,
               "block_refusal_pattern": BLOCK_REFUSAL_PATTERN,
-              "noops": NOOPS, "large_pattern": LARGE_PATTERN, "tex_aliases": TEX_ALIASES}
+              "noops": NOOPS, "large_pattern": LARGE_PATTERN, "tex_aliases": TEX_ALIASES, "block_in_scope": block}
     (work / "te_harness.json").write_text(json.dumps(config, indent=1))
     shutil.copy(Path(__file__).with_name("te_tests_plugin.py"), work / "conftest.py")
     (work / "pytest.ini").write_text("[pytest]\naddopts = -p no:cacheprovider\n")
@@ -235,7 +264,8 @@ def write_results(out: Path, per_file: dict, meta: dict) -> None:
     lines = [f"# Transformer Engine's PyTorch tests on fp8kit ({meta['label']})", "",
              f"Made by `{meta['command']}` on {meta['date']}, {meta['machine']}; fp8kit at {meta['code']}.",
              "Counts are of the cases run (in scope, sampled): at most "
-             f"{meta['sample'] or 'all'} per test function, {meta['timeout']} s per case. "
+             f"{meta['sample'] or 'all'} per test function, {meta['timeout']} s per case. " +
+             ("block recipes in scope (--block); " if meta.get("block") else "") +
              "\"block\" = cases of the block recipes not run; \"out\" = cases that reached a TE internal or a "
              "GPU-only call; \"skipped\" = TE's own skips. See docs/te_tests.md.", "",
              "\"missing\" = failures because fp8kit lacks a name the test uses (MissingName); \"failed\" = the "
@@ -292,7 +322,7 @@ def _write_file_report(out: Path, name: str, info: dict, collection: dict, cases
     lines += [f"- `{n}`" for n in collection.get("block_cases", [])[:200]]
     if "collected" not in collection or collection["collect_errors"]:
         lines += ["", "## pytest output (tail)", "", "```", info["tail"], "```"]
-    (out / (name.removesuffix(".py") + ".md")).write_text("\n".join(lines) + "\n")
+    (out / (name.removesuffix(".py").replace("/", "__") + ".md")).write_text("\n".join(lines) + "\n")
 
 
 def main(argv=None) -> int:
@@ -312,12 +342,14 @@ def main(argv=None) -> int:
                         help="where fp8kit is imported from")
     parser.add_argument("--label", default="", help="a title for summary.md")
     parser.add_argument("-k", default=None, help="passed to pytest -k")
+    parser.add_argument("--block", action="store_true",
+                        help="run and count the block recipes' cases (MXFP8, Float8BlockScaling, NVFP4) in scope")
     parser.add_argument("--keep", action="store_true", help="keep the temporary directory")
     args = parser.parse_args(argv)
     out = Path(args.out)
     work = Path(tempfile.mkdtemp(prefix="te-tests-"))
     try:
-        fired = prepare(Path(args.te), args.files, work)
+        fired = prepare(Path(args.te), args.files, work, block=args.block)
         per_file = {}
         for name in args.files:
             report = work / (name + ".jsonl")
@@ -333,7 +365,7 @@ def main(argv=None) -> int:
                     sys.argv[1:] if argv is None else argv),
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": f"{cpu}, {os.cpu_count()} "
                 f"cores, OMP_NUM_THREADS={args.threads}", "code": f"{args.pythonpath} ({git})",
-                "sample": args.sample, "timeout": args.timeout, "rules_fired": fired}
+                "sample": args.sample, "timeout": args.timeout, "block": args.block, "rules_fired": fired}
         write_results(out, per_file, meta)
         print(f"wrote {out}/summary.md")
     finally:

@@ -6,8 +6,9 @@ It does four things, all described in tools/te_tests.py's docstring:
    instead of the whole file.
 2. Sampling: `--te-sample N` keeps at most N cases of each test function (deterministic, spread over the
    parameter space by a hash of the test id).
-3. Scope: cases of the block recipes (MXFP8, Float8BlockScaling, NVFP4) are not run; cases that fail in TE
-   internals (placeholders of `tex` and TE's C++ wrappers) or in GPU-only torch calls are reported as out of scope.
+3. Scope: cases of the block recipes (MXFP8, Float8BlockScaling, NVFP4) are not run (unless --block); cases that
+   fail in TE internals (placeholders of `tex` and TE's C++ wrappers) or in GPU-only torch calls are reported as out
+   of scope.
 4. A per-case timeout (`--te-timeout S`, SIGALRM) and one JSON line per case in `--te-report FILE`.
 """
 
@@ -35,6 +36,8 @@ _INTERNAL_PREFIXES = tuple(_CONFIG["internal_modules"])
 # Placeholders that act instead of failing (see tools/te_tests.py, "Placeholders").
 _BLOCK_RECIPES = set(_CONFIG["block_recipes"])
 _NOOPS = set(_CONFIG["noops"])
+# --block: the block recipes are in scope (their cases run, their missing names and refusals count as failures)
+_BLOCK_IN_SCOPE = bool(_CONFIG.get("block_in_scope", False))
 
 
 def _normal_init(std: float):
@@ -92,7 +95,7 @@ class Missing:
 
     def __call__(self, *args, **kwargs):
         short = self._te_name.rsplit(".", 1)[-1]
-        if short in _BLOCK_RECIPES and not self._te_instance:
+        if short in _BLOCK_RECIPES and not self._te_instance and not _BLOCK_IN_SCOPE:
             return Missing(self._te_name + "()", instance=True)
         if any(self._te_name.endswith(n) for n in _NOOPS):
             return None
@@ -106,7 +109,7 @@ class Missing:
         te_name = self._te_name.replace("fp8kit.pytorch", "transformer_engine.pytorch")
         if _internal(self._te_name):
             raise TEInternal(f"TE internal {te_name}")
-        if _BLOCK_WORDS.search(self._te_name.rsplit(".", 1)[-1]):
+        if _BLOCK_WORDS.search(self._te_name.rsplit(".", 1)[-1]) and not _BLOCK_IN_SCOPE:
             raise BlockRecipe(f"block-recipe name {te_name}")
         raise MissingName(f"fp8kit has no {self._te_name}")
 
@@ -117,6 +120,9 @@ class Missing:
         self._fail()
 
     def __iter__(self):
+        self._fail()
+
+    def __getitem__(self, key):  # a missing mapping or enum (TE_DType[...])
         self._fail()
 
     def __mro_entries__(self, bases):
@@ -210,7 +216,7 @@ def _placeholders(value, depth=0) -> list:
     has counts as the placeholder of its class."""
     if isinstance(value, Missing):
         return [value]
-    if type(value).__name__ in _BLOCK_RECIPES:
+    if type(value).__name__ in _BLOCK_RECIPES and not _BLOCK_IN_SCOPE:
         return [Missing(type(value).__name__ + "()", instance=True)]
     if depth < 3 and isinstance(value, (list, tuple)):
         return [m for v in value for m in _placeholders(v, depth + 1)]
@@ -229,6 +235,8 @@ def _contains_block_recipe(value) -> bool:
 
 
 def _block_reason(item) -> str | None:
+    if _BLOCK_IN_SCOPE:
+        return None
     params = getattr(getattr(item, "callspec", None), "params", {})
     if any(_contains_block_recipe(v) for v in params.values()) or _BLOCK_WORDS.search(item.nodeid):
         return "out of scope: block recipe (MXFP8 / Float8BlockScaling / NVFP4)"
@@ -239,6 +247,7 @@ def _sample_key(nodeid: str) -> str:
     return hashlib.sha1(nodeid.encode()).hexdigest()
 
 
+@pytest.hookimpl(trylast=True)  # after pytest's own -k / -m deselection: sample and count the selected cases
 def pytest_collection_modifyitems(config, items):
     _COLLECTING[0] = False
     config._te_counts = {"collected": len(items)}
@@ -337,7 +346,7 @@ def _out_of_scope(excinfo) -> str | None:
     if excinfo.errisinstance(BlockRecipe):
         return "out of scope: block recipe"
     message = str(excinfo.value)
-    if excinfo.errisinstance(NotImplementedError) and _BLOCK_REFUSAL.search(message):
+    if excinfo.errisinstance(NotImplementedError) and _BLOCK_REFUSAL.search(message) and not _BLOCK_IN_SCOPE:
         return "out of scope: block recipe"
     if _GPU_ONLY.search(message):
         return "out of scope: GPU-only"
@@ -366,7 +375,7 @@ def pytest_runtest_makereport(item, call):
             record.update(outcome=kind, line=line, when=call.when)
     elif report.outcome == "skipped" and record["outcome"] == "passed":
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        block = _BLOCK_WORDS.search(reason or "")
+        block = _BLOCK_WORDS.search(reason or "") and not _BLOCK_IN_SCOPE
         record.update(outcome="skipped", scope="out" if block else "in", reason=reason)
     if call.when == "teardown":
         _write(item.config, record)

@@ -7,7 +7,7 @@ from typing import Union
 
 import torch
 
-__all__ = ["DType", "torch_dtype", "te_dtype", "fp8_torch_dtype"]
+__all__ = ["DType", "TE_DType", "TE_DType_To_Torch", "torch_dtype", "te_dtype", "fp8_torch_dtype"]
 
 
 class DType(enum.IntEnum):
@@ -43,6 +43,11 @@ _TORCH = {
     DType.kFloat8E4M3: torch.float8_e4m3fn, DType.kFloat8E5M2: torch.float8_e5m2,
 }
 _TE = {v: k for k, v in _TORCH.items()}
+
+# Transformer Engine's public mappings (`TE_DType[torch_dtype]`), over the seven torch dtypes it passes to its kernels
+TE_DType = {d: _TE[d] for d in (torch.uint8, torch.float8_e4m3fn, torch.float8_e5m2, torch.int32, torch.float32,
+                                torch.half, torch.bfloat16)}
+TE_DType_To_Torch = {v: k for k, v in TE_DType.items()}
 
 
 def torch_dtype(dtype: Union[DType, int]) -> torch.dtype:

@@ -13,11 +13,13 @@ from typing import Callable, Optional, Union
 import torch
 
 from ..recipe import DelayedScaling, Format, Recipe
-from .cast import scale_from_amax
+from .autocast import autocast
+from .cast import fp8_dtype_of, scale_from_amax
+from .constants import DType, te_dtype
 from .global_state import FP8GlobalStateManager
 
-__all__ = ["QuantizerRole", "QuantizerRequest", "DelayedScalingRequest", "FP8GlobalStateManager",
-           "get_align_size_for_quantization"]
+__all__ = ["autocast", "QuantizerRole", "QuantizerRequest", "DelayedScalingRequest", "FP8GlobalStateManager",
+           "get_align_size_for_quantization", "get_fp8_torch_dtype", "get_fp8_te_dtype"]
 
 
 def _default_sf_compute(amax, scale, fp8_max: float, margin: float, _fp32_max: float = None):
@@ -31,6 +33,21 @@ def _default_sf_compute(amax, scale, fp8_max: float, margin: float, _fp32_max: f
                                                                                    dtype=torch.float32))
     scale.copy_(scale_from_amax(amax.to(torch.float32), scaled_max, scale.to(torch.float32)))
     return scale
+
+
+def get_fp8_torch_dtype(fp8_recipe: Recipe, fprop_tensor: bool = True) -> torch.dtype:
+    """The FP8 dtype of a recipe's forward tensors (`fprop_tensor=True`) or gradients: E4M3 for Format.E4M3, E5M2
+    for Format.E5M2, and E4M3 forward / E5M2 backward for Format.HYBRID."""
+    fmt = fp8_recipe.fp8_format.value
+    name = fmt.fwd if fprop_tensor else fmt.bwd
+    if name not in ("e4m3", "e5m2"):
+        raise ValueError(f"get_fp8_torch_dtype: {fp8_recipe.fp8_format} is not an FP8 format")
+    return fp8_dtype_of(name)
+
+
+def get_fp8_te_dtype(fp8_recipe: Recipe, fprop_tensor: bool = True) -> DType:
+    """`get_fp8_torch_dtype` as a DType (kFloat8E4M3 or kFloat8E5M2)."""
+    return te_dtype(get_fp8_torch_dtype(fp8_recipe, fprop_tensor))
 
 
 def get_align_size_for_quantization(recipe: Recipe) -> int:
