@@ -28,7 +28,7 @@ from .cast_ops import (
     current_cast_transpose_dbias,
 )
 from .launch import Launch, observe_launches
-from .loader import _TRUE, interpreter_on, kernel_module
+from .loader import TRUE_VALUES, interpreter_on, kernel_module
 from .update_ops import update, update_tensors
 
 __all__ = ["enabled", "set_enabled", "refresh", "available", "use_for", "interpreter_on", "kernel_module",
@@ -46,7 +46,7 @@ def enabled() -> bool:
     ("1", "true", "yes", "on"). Default False."""
     if _enabled is not None:
         return _enabled
-    return os.environ.get("FP8KIT_TRITON", "").strip().lower() in _TRUE
+    return os.environ.get("FP8KIT_TRITON", "").strip().lower() in TRUE_VALUES
 
 
 def set_enabled(flag: Optional[bool]) -> None:

@@ -10,14 +10,14 @@ import os
 import sys
 import threading
 
-_TRUE = ("1", "true", "yes", "on")
+TRUE_VALUES = ("1", "true", "yes", "on")
 _modules: dict = {}
 _lock = threading.Lock()
 
 
 def interpreter_on() -> bool:
     """Whether `TRITON_INTERPRET` is set to a true value in the environment (kernels then run on CPU tensors)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_VALUES
 
 
 def kernel_module(interpret: bool):
