@@ -3,6 +3,7 @@ then skips: the clamp where torch's conversion already saturates, the widening's
 there is no NaN. See docs/numerics.md, "The cast on a CPU"."""
 
 import collections
+import math
 
 import ml_dtypes
 import numpy as np
@@ -11,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fp8kit.pytorch as te
+from fp8kit.pytorch import cast as cast_module
 from fp8kit.pytorch import host, quantize
 from fp8kit.pytorch.cast import FP8_MAX, UNCLAMPED_MAX, cast_host
 from fp8kit.pytorch.tensor import storage
@@ -153,8 +155,8 @@ def test_widening_skips_its_check_only_when_the_cast_saw_no_nan(fmt):
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
 def test_linear_widens_each_operand_once(recipe, monkeypatch):
-    """One Linear forward + backward on CPU widens x, the weight and dy once each (x again in the backward, from
-    its saved FP8 bytes), all without the NaN check."""
+    """One Linear forward + backward on CPU widens x and dy once each (x again in the backward, from its saved FP8
+    bytes); the weight's values come from its (table) cast."""
     calls = []
     widen = storage.widen
 
@@ -168,8 +170,8 @@ def test_linear_widens_each_operand_once(recipe, monkeypatch):
     with te.autocast(recipe=recipe):
         y = lin(x)
     y.float().pow(2).sum().backward()
-    assert sorted(calls) == sorted([((128, 512), True), ((256, 512), True), ((128, 256), True),
-                                    ((128, 512), True)])
+    # the weight (2**17 elements) takes the table cast, which gives its values with its bytes (no widening)
+    assert sorted(shape for shape, _ in calls) == sorted([(128, 512), (128, 256), (128, 512)])
 
 
 def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch):
@@ -195,10 +197,76 @@ def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch):
         x.grad = None
     lin.weight.grad = None
     monkeypatch.setattr(storage, "widen", spy)
+    table_cast = cast_module._cast_by_table
+
+    def table_spy(x, scale, fp8_dtype):
+        shapes.append(("table", tuple(x.shape)))
+        return table_cast(x, scale, fp8_dtype)
+
+    monkeypatch.setattr(cast_module, "_cast_by_table", table_spy)
     for i, x in enumerate(xs):
         with te.autocast(recipe=recipe):
             y = lin(x, is_first_microbatch=i == 0)
         y.float().pow(2).sum().backward()
         assert torch.equal(y.detach(), want[i][0]) and torch.equal(x.grad, want[i][1])
-    assert shapes.count((256, 512)) == 1  # the weight, once
+    # the weight (2**17 elements) is cast once, by the table, which gives its values too: never widened
+    assert shapes.count(("table", (256, 512))) == 1 and shapes.count((256, 512)) == 0
     assert shapes.count((128, 512)) == 2 * len(xs)  # x in the forward and again in the backward, each time
+
+
+def _every16(dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(dtype)
+
+
+def _as_float32(x: torch.Tensor) -> np.ndarray:
+    """x (bf16 / fp16) as float32 through NumPy (a NaN keeps its sign, whatever torch's loops do)."""
+    np_dtype = ml_dtypes.bfloat16 if x.dtype == torch.bfloat16 else np.float16
+    return x.view(torch.uint16).numpy().view(np_dtype).astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_table_cast_matches_reference_for_every_pattern(fmt, dtype):
+    """The table cast of large 16-bit tensors (cast.TABLE_MIN_NUMEL): every bit pattern (NaN and inf included), at
+    unaligned offsets, for scales that saturate, round into subnormals and flush to zero: bytes equal the
+    reference's (NaN keeps its sign: 0x7F / 0xFF), a bf16 input's values equal the bytes decoded by ml_dtypes."""
+    fp8 = FORMATS[fmt]
+    x = _every16(dtype).repeat(3)[7:]
+    assert x.numel() >= cast_module.TABLE_MIN_NUMEL
+    for scale in (float(np.float32(s)) for s in (1.0, 3.7, 448 / 4.1, 1e-3, 2.0 ** -20, 1e30)):  # float32 values
+        q = cast_host(x, scale, fp8, math.inf)
+        _, want_inv = ref.cast(_as_float32(x), fmt, scale)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = ref.fp8_bytes(_as_float32(x) * np.float32(scale), fmt)  # NaN: 0x7F with its sign, both formats
+        np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
+        assert np.float32(q.scale_inv.item()) == want_inv
+        if dtype == torch.bfloat16:
+            assert q._values is not None and q._values.dtype == torch.bfloat16
+            decoded = want.view(ref.FP8[fmt][0]).astype(np.float32)
+            np.testing.assert_array_equal(q._values.float().numpy(), decoded)  # NaN positions compare equal
+        else:
+            assert q._values is None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "fp16"])
+def test_table_widening_matches_ml_dtypes_for_every_code(fmt, dtype):
+    """Large FP8 tensors widen by table lookup (every code, NaN and inf included, at unaligned offsets and through a
+    transposed view): the values ml_dtypes decodes."""
+    fp8 = FORMATS[fmt]
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(2 * storage.WIDEN_BY_BITS_MIN_NUMEL // 256 + 3)
+    codes = codes[5:5 + 256 * 512].view(512, 256)
+    for data in (codes, codes.t()):
+        got = storage.widen(data.view(fp8), dtype)
+        assert got.dtype == dtype and got.shape == data.shape
+        want = data.contiguous().numpy().view(ref.FP8[fmt][0]).astype(np.float32)
+        np.testing.assert_array_equal(got.float().numpy(), want)
+
+
+def test_table_cast_of_a_noncontiguous_input():
+    """A transposed (non-contiguous) bf16 input takes the table path with its logical layout."""
+    x = torch.randn(512, 768, dtype=torch.bfloat16).t()
+    q = cast_host(x, 30.0, torch.float8_e4m3fn, math.inf)
+    want, _ = ref.cast(x.float().contiguous().numpy(), "e4m3", 30.0)
+    np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
+    assert q._data.shape == x.shape

@@ -13,7 +13,8 @@ import torch
 
 from ..recipe import FLT_MAX, SCALE_MIN
 from . import host
-from .tensor.storage import Float8TensorStorage
+from .tensor import lookup
+from .tensor.storage import Float8TensorStorage, widen
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 # The largest float32 that torch's float32 -> FP8 conversion (round to nearest even) takes to the largest finite FP8
@@ -178,11 +179,57 @@ def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value:
     `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s. `nan_free`: the caller knows
     x holds no NaN (`host.amax_nan`), so the saturated bytes hold no NaN or inf code either, which the CPU GEMM's
     widening then need not check."""
-    # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no element
-    # needs the clamp (UNCLAMPED_MAX; current scaling's `amax * (max / amax)` can exceed max by an ulp).
-    in_range = host.f32(amax_value * scale) <= UNCLAMPED_MAX[fp8_dtype]
-    data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
+    values = None
+    if x.dtype in _TABLE_DTYPES and x.numel() >= TABLE_MIN_NUMEL:
+        data, values = _cast_by_table(x, scale, fp8_dtype)
+    else:
+        # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no
+        # element needs the clamp (UNCLAMPED_MAX; current scaling's `amax * (max / amax)` can exceed max by an ulp).
+        in_range = host.f32(amax_value * scale) <= UNCLAMPED_MAX[fp8_dtype]
+        data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
     # scale_inv is made from the float when asked
     q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
     q._codes_finite = nan_free
+    q._values = values
     return q
+
+
+# Large 16-bit CPU tensors are cast through a table. The FP8 byte of `saturate(float32(x) * scale)` depends only on
+# x's 16 bits once the scale is fixed, so `cast_to_fp8` applied to all 65536 bit patterns of x's dtype gives a table
+# that one gather maps x through (tensor.lookup): the same bytes, since the table is the cast itself. A bf16 x gets,
+# from the same gather, the FP8 values widened to bf16 (the CPU GEMM's operand, `Float8TensorStorage.values`), so
+# x is read once and nothing is converted twice. Below TABLE_MIN_NUMEL elements, making the tables costs more than
+# it saves.
+TABLE_MIN_NUMEL = 1 << 17
+_TABLE_DTYPES = (torch.bfloat16, torch.float16)
+_PATTERNS: dict = {}  # dtype -> (its 65536 bit patterns as that dtype, the indices of the NaN ones, their bytes)
+
+
+def _patterns(dtype: torch.dtype):
+    found = _PATTERNS.get(dtype)
+    if found is None:
+        with torch.inference_mode(False):
+            patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(dtype)
+            nan_index = torch.isnan(patterns).nonzero().view(-1)
+            nan_bytes = torch.where(torch.signbit(patterns[nan_index]), 0xFF, 0x7F).to(torch.uint8)
+        found = _PATTERNS[dtype] = (patterns, nan_index, nan_bytes)
+    return found
+
+
+def _cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
+    """(`cast_to_fp8(x, scale, fp8_dtype)`, its values widened to bf16 or None) for a bf16/fp16 CPU tensor, by
+    65536-entry tables (see above)."""
+    patterns, nan_index, nan_bytes = _patterns(x.dtype)
+    table = cast_to_fp8(patterns, scale, fp8_dtype)
+    # NaN keeps its sign in its byte (0x7F / 0xFF, both formats), as tests/reference.py; torch's own conversion
+    # gives either sign depending on where the element falls in its vector loop
+    table.view(torch.uint8).index_put_((nan_index,), nan_bytes)
+    data = torch.empty(x.shape, dtype=fp8_dtype)
+    tables, outs = [table.view(torch.uint8)], [data.view(torch.uint8).view(-1)]
+    values = None
+    if x.dtype == torch.bfloat16:
+        values = torch.empty(x.shape, dtype=torch.bfloat16)
+        tables.append(widen(table, torch.bfloat16).view(torch.int16))
+        outs.append(values.view(torch.int16).view(-1))
+    lookup.gather(x.reshape(-1).view(torch.uint16), tables, outs)
+    return data, values

@@ -1,0 +1,30 @@
+"""Elementwise maps of 8- and 16-bit codes on the CPU by table lookup, in cache-sized chunks.
+
+A function of an 8- or 16-bit input (an FP8 byte widened to bf16; the FP8 byte of a bf16 value times a fixed scale)
+is a table of 256 or 65536 entries. Applying it to a large tensor is then one gather (`index_select`), whose result
+is bit-identical to the function however the table was made, in whatever way the table's own maker rounds. Indices
+must be int32 or int64, so the codes are widened to int32 a chunk at a time into a small buffer that stays in the
+core's cache, and each chunk is gathered straight into its slice of the outputs: the input is read once and each
+output written once, instead of a pass over main memory per elementwise step.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+CHUNK = 1 << 16  # codes per gather: a 256 KiB int32 index buffer (L2-resident alongside its outputs)
+
+
+def gather(codes: torch.Tensor, tables: Sequence[torch.Tensor], outs: Sequence[torch.Tensor]) -> None:
+    """`outs[i][j] = tables[i][codes[j]]` for 1-D contiguous CPU tensors: `codes` uint8 or uint16, each table 1-D
+    with an entry per code value, each out 1-D of `codes`' length and its table's dtype."""
+    n = codes.numel()
+    index = torch.empty(min(n, CHUNK), dtype=torch.int32)
+    for start in range(0, n, CHUNK):
+        stop = min(n, start + CHUNK)
+        part = index[:stop - start] if stop - start < CHUNK else index
+        part.copy_(codes[start:stop])
+        for table, out in zip(tables, outs):
+            torch.index_select(table, 0, part, out=out[start:stop])
