@@ -250,9 +250,9 @@ def test_table_cast_matches_reference_for_every_pattern(fmt, dtype):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "fp16"])
-def test_table_widening_matches_ml_dtypes_for_every_code(fmt, dtype):
-    """Large FP8 tensors widen by table lookup (every code, NaN and inf included, at unaligned offsets and through a
-    transposed view): the values ml_dtypes decodes."""
+def test_widening_matches_ml_dtypes_for_every_code(fmt, dtype):
+    """Large FP8 tensors (every code, NaN and inf included, at unaligned offsets and through a transposed view)
+    widen to the values ml_dtypes decodes."""
     fp8 = FORMATS[fmt]
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(2 * storage.WIDEN_BY_BITS_MIN_NUMEL // 256 + 3)
     codes = codes[5:5 + 256 * 512].view(512, 256)

@@ -229,7 +229,10 @@ def _cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
     values = None
     if x.dtype == torch.bfloat16:
         values = torch.empty(x.shape, dtype=torch.bfloat16)
-        tables.append(widen(table, torch.bfloat16).view(torch.int16))
+        # only the NaN patterns have NaN codes (the cast saturates): widen the rest by bits, then put NaN back
+        wide = widen(table, torch.bfloat16, codes_finite=True).view(torch.int16)
+        wide.index_put_((nan_index,), nan_bytes.to(torch.int16) << 8 | 0xC0)  # 0x7FC0 / 0xFFC0: NaN, its sign
+        tables.append(wide)
         outs.append(values.view(torch.int16).view(-1))
     lookup.gather(x.reshape(-1).view(torch.uint16), tables, outs)
     return data, values
