@@ -178,8 +178,8 @@ def scaled_mm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.d
     out = torch._scaled_mm(
         mat_a,
         mat_b,
-        scale_a=a.scale_inv.reshape(()),
-        scale_b=b.scale_inv.reshape(()),
+        scale_a=a.scale_inv,  # [1]: one element is per-tensor scaling (torch checks numel() == 1)
+        scale_b=b.scale_inv,
         bias=mm_bias if use_bias else None,
         out_dtype=mm_dtype,
         use_fast_accum=use_fast_accum,

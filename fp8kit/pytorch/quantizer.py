@@ -40,12 +40,12 @@ class DelayedQuantizer:
                                   torch.scalar_tensor(a, dtype=torch.float32))
             return q
         if self.stats is None and kernels.use_for(x):  # one fused pass: FP8 bytes (+ transpose), amax into the slot
-            inv = torch.empty((), dtype=torch.float32, device=x.device)
-            data, data_t, _ = kernels.cast_amax(x.detach(), self.state.scale[self.slot], self.fp8_dtype,
-                                                transpose=transpose, amax_out=self.state.staging(self.slot),
-                                                scale_inv_out=inv)
-            return Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=x.dtype,
-                                       data_transpose=data_t)
+            inv = torch.empty((1,), dtype=torch.float32, device=x.device)
+            scale, stage = self.state.slot_views(self.slot)
+            data, data_t, _ = kernels.cast_amax(x, scale, self.fp8_dtype, transpose=transpose, amax_out=stage,
+                                                scale_inv_out=inv, raw=True,
+                                                amax_bits=self.state.slot_bits(self.slot))
+            return Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, x.dtype, data_t)
         if self.stats is None and x.dim() and not torch.compiler.is_compiling():
             # eager tensor path: the slot's scale and staging views made once; the amax max-accumulated in place
             scale, stage = self.state.slot_views(self.slot)
@@ -64,11 +64,12 @@ class DelayedQuantizer:
         """grad_output: the FP8 tensor (with `data_t` off the CPU) and the bias gradient (dy summed over its leading
         dimensions, in dy's dtype); with the kernels, one pass over dy (`kernels.cast_transpose_dbias`)."""
         if self.stats is None and kernels.use_for(dy):
+            scale, stage = self.state.slot_views(self.slot)
             data, data_t, inv, dbias = kernels.cast_transpose_dbias(
-                dy.detach(), self.state.scale[self.slot], self.fp8_dtype,
-                amax_out=self.state.staging(self.slot))
-            return Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=dy.dtype,
-                                       data_transpose=data_t), dbias
+                dy, scale, self.fp8_dtype, amax_out=stage,
+                scale_inv_out=torch.empty((1,), dtype=torch.float32, device=dy.device), raw=True,
+                amax_bits=self.state.slot_bits(self.slot))
+            return Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, dy.dtype, data_t), dbias
         return self.quantize(dy, transpose=True), bias_grad(dy)
 
     def observe(self, x: torch.Tensor) -> None:
@@ -115,10 +116,9 @@ class CurrentQuantizer:
                                   torch.scalar_tensor(a, dtype=torch.float32))
             return q
         if kernels.use_for(x):  # an amax pass, then a cast pass that computes the scale itself
-            data, data_t, scale, inv, _ = kernels.current_cast(x.detach(), self.fp8_dtype, self.amax_epsilon,
-                                                               self.power_2, transpose=transpose, group=self.group)
-            q = Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=x.dtype,
-                                    data_transpose=data_t)
+            data, data_t, scale, inv, _ = kernels.current_cast(x, self.fp8_dtype, self.amax_epsilon, self.power_2,
+                                                               transpose=transpose, group=self.group, raw=True)
+            q = Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, x.dtype, data_t)
             if self.stats is not None:
                 self.stats.record(x, q, scale)
             return q
@@ -136,9 +136,8 @@ class CurrentQuantizer:
         """As `DelayedQuantizer.quantize_dbias` (kernels: `kernels.current_cast_transpose_dbias`)."""
         if kernels.use_for(dy):
             data, data_t, scale, inv, _, dbias = kernels.current_cast_transpose_dbias(
-                dy.detach(), self.fp8_dtype, self.amax_epsilon, self.power_2, group=self.group)
-            q = Float8TensorStorage(data=data, fp8_scale_inv=inv.reshape(1), fake_dtype=dy.dtype,
-                                    data_transpose=data_t)
+                dy, self.fp8_dtype, self.amax_epsilon, self.power_2, group=self.group, raw=True)
+            q = Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, dy.dtype, data_t)
             if self.stats is not None:
                 self.stats.record(dy, q, scale)
             return q, dbias

@@ -133,6 +133,18 @@ class ScalingState:
             found = views[slot] = (self._scale[slot:slot + 1], self._buffer[0, slot])
         return found
 
+    def slot_bits(self, slot: int) -> torch.Tensor:
+        """The staging value of `slot` seen as int32 (the Triton kernels' atomic max operand), a view made once, of
+        the same memory as `slot_views(slot)[1]`."""
+        views = self._slot_views
+        if views is None:
+            views = self._slot_views = {}
+        key = ("bits", slot)
+        found = views.get(key)
+        if found is None:
+            found = views[key] = self.slot_views(slot)[1].view(torch.int32)
+        return found
+
     def host_views(self):
         """(amax_history, scale, count) as NumPy arrays sharing memory with the tensors (CPU states only; the host
         fast path), made once per tensor."""

@@ -29,37 +29,40 @@ def _check_out(t, x, name, where) -> None:
             raise ValueError(f"{where}: {name} must be contiguous")
 
 
-def _run(x, m, n, fp8_dtype, *, scale=None, amax_buf=None, with_amax=False, scale_out=None, scale_inv_out=None,
-         scaled_max=0.0, eps=0.0, power_2=False, transpose=False, dbias=False):
-    """Allocate the outputs and launch one cast pass over `x` ([m, n] row-major). Returns (data, data_t, dbias)."""
+def _run(x, m, n, fp8_dtype, *, scale=None, amax_buf=None, amax_bits=None, with_amax=False, scale_out=None,
+         scale_inv_out=None, scaled_max=0.0, eps=0.0, power_2=False, transpose=False, dbias=False):
+    """Allocate the outputs and launch one cast pass over `x` ([m, n] row-major). Returns (data, data_t, dbias) with
+    the FP8 bytes as uint8 (the kernels write bytes; `_typed` gives the public functions' float8 views).
+    `amax_bits`: `amax_buf` seen as int32 (the atomic max's operand), made here when not given."""
     fp8_max, e4m3 = fp8_info(fp8_dtype, "kernels")
     dev = x.device
-    data = torch.empty(x.shape, dtype=fp8_dtype, device=dev)
-    data_t = torch.empty((n, m), dtype=fp8_dtype, device=dev) if transpose else None
+    q = torch.empty(x.shape, dtype=torch.uint8, device=dev)
+    data_t = torch.empty((n, m), dtype=torch.uint8, device=dev) if transpose else None
     grad = None
     if x.numel() == 0:
         if dbias:
             grad = torch.zeros((n,), dtype=x.dtype, device=dev)
-        return data, data_t, grad
-    q = data.view(torch.uint8)
+        return q, data_t, grad
+    if amax_buf is not None and amax_bits is None:
+        amax_bits = amax_buf.view(torch.int32)
     dummy = q  # stands for the pointers a variant does not use
     common = (scale if scale is not None else dummy,
               amax_buf if amax_buf is not None else dummy,
-              amax_buf.view(torch.int32) if amax_buf is not None else dummy,
+              amax_bits if amax_bits is not None else dummy,
               scale_out if scale_out is not None else dummy,
               scale_inv_out if scale_inv_out is not None else dummy)
     flags = dict(FP8_MAX=fp8_max, E4M3=e4m3, AMAX=with_amax, SCALE_FROM_AMAX=scale is None, POW2=bool(power_2),
                  WRITE_SCALE=scale_out is not None, WRITE_SCALE_INV=scale_inv_out is not None)
-    writes = tuple(t for t in (data, data_t) if t is not None)
+    writes = tuple(t for t in (q, data_t) if t is not None)
     if not (transpose or dbias):
         launch("cast_flat_kernel", (cdiv(x.numel(), FLAT_BLOCK),), dev,
                (x, q) + common + (x.numel(), float(scaled_max), float(eps)), dict(flags, BLOCK=FLAT_BLOCK),
                reads=(x,), writes=writes)
-        return data, data_t, grad
+        return q, data_t, grad
     tiles_m, tiles_n = cdiv(m, CAST_BLOCK), cdiv(n, CAST_BLOCK)
     partial = torch.empty((tiles_m, n), dtype=torch.float32, device=dev) if dbias else None
     launch("cast_transpose_kernel", (tiles_m * tiles_n,), dev,
-           (x, q, data_t.view(torch.uint8) if transpose else dummy) + common
+           (x, q, data_t if transpose else dummy) + common
            + (partial if dbias else dummy, m, n, tiles_n, float(scaled_max), float(eps)),
            dict(flags, TRANSPOSE=bool(transpose), DBIAS=bool(dbias), BLOCK_M=CAST_BLOCK, BLOCK_N=CAST_BLOCK),
            reads=(x,), writes=writes)
@@ -67,7 +70,14 @@ def _run(x, m, n, fp8_dtype, *, scale=None, amax_buf=None, with_amax=False, scal
         grad = torch.empty((n,), dtype=x.dtype, device=dev)
         launch("column_sum_kernel", (cdiv(n, SUM_BLOCK_N),), dev, (partial, grad, tiles_m, n),
                dict(BLOCK_T=SUM_BLOCK_T, BLOCK_N=SUM_BLOCK_N), reads=(partial,), writes=(grad,))
-    return data, data_t, grad
+    return q, data_t, grad
+
+
+def _typed(data, data_t, fp8_dtype, raw: bool):
+    """The kernels' uint8 bytes as the public functions return them: float8 views, or the bytes with `raw`."""
+    if raw:
+        return data, data_t
+    return data.view(fp8_dtype), (data_t.view(fp8_dtype) if data_t is not None else None)
 
 
 def _reciprocal_into(scale_inv_out, scale) -> None:
@@ -76,7 +86,8 @@ def _reciprocal_into(scale_inv_out, scale) -> None:
 
 
 def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool = False,
-              amax_out: Optional[torch.Tensor] = None, scale_inv_out: Optional[torch.Tensor] = None):
+              amax_out: Optional[torch.Tensor] = None, scale_inv_out: Optional[torch.Tensor] = None, *,
+              raw: bool = False, amax_bits: Optional[torch.Tensor] = None):
     """Delayed-scaling cast in ONE kernel launch that reads `x` once.
 
     Takes `x` (float32/bfloat16/float16, contiguous, any shape; seen as [M, N] = [prod(shape[:-1]), shape[-1]]),
@@ -87,6 +98,8 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, tran
     Returns `(data, data_t, amax)`: FP8 `data` with x's shape, `data_t` [N, M] contiguous or None, and the amax
     tensor: `amax_out` when given (then it holds the accumulated value), else a fresh 0-d float32 with max|x|.
     Without `amax_out` the fresh buffer is zero-filled first (one `torch.zeros`).
+    `raw=True` gives `data` / `data_t` as their uint8 bytes (no view operations: the quantizers' storages hold
+    bytes); `amax_bits`, `amax_out` seen as int32 when the caller keeps that view (else made here).
     """
     where = "kernels.cast_amax"
     m, n = check_input(x, where)
@@ -95,13 +108,14 @@ def cast_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, tran
     _check_out(amax_out, x, "amax_out", where)
     _check_out(scale_inv_out, x, "scale_inv_out", where)
     amax_buf = amax_out if amax_out is not None else torch.zeros((), dtype=torch.float32, device=x.device)
-    data, data_t, _ = _run(x, m, n, fp8_dtype, scale=scale, amax_buf=amax_buf, with_amax=True,
+    data, data_t, _ = _run(x, m, n, fp8_dtype, scale=scale, amax_buf=amax_buf,
+                           amax_bits=amax_bits if amax_out is not None else None, with_amax=True,
                            scale_inv_out=scale_inv_out, transpose=transpose)
     if x.numel() == 0:
         if amax_out is not None:
             amax_out.copy_(torch.fmax(amax_out, torch.zeros_like(amax_out)))
         _reciprocal_into(scale_inv_out, scale)
-    return data, data_t, amax_buf
+    return (*_typed(data, data_t, fp8_dtype, raw), amax_buf)
 
 
 def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose: bool = False,
@@ -119,7 +133,7 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, transpose
     data, data_t, _ = _run(x, m, n, fp8_dtype, scale=scale, scale_inv_out=scale_inv_out, transpose=transpose)
     if x.numel() == 0:
         _reciprocal_into(scale_inv_out, scale)
-    return data, data_t
+    return _typed(data, data_t, fp8_dtype, False)
 
 
 def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
@@ -139,7 +153,8 @@ def cast_transpose_amax(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.d
 
 
 def cast_transpose_dbias(dy: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype,
-                         amax_out: Optional[torch.Tensor] = None, scale_inv_out: Optional[torch.Tensor] = None):
+                         amax_out: Optional[torch.Tensor] = None, scale_inv_out: Optional[torch.Tensor] = None, *,
+                         raw: bool = False, amax_bits: Optional[torch.Tensor] = None):
     """Delayed scaling for grad_output, fused as Transformer Engine's bgrad+quantize: ONE pass over `dy` writes the
     FP8 bytes, their transpose (for wgrad), the amax (into `amax_out` when given) and per-tile column sums; a small
     second kernel adds the sums up into the bias gradient.
@@ -158,51 +173,59 @@ def cast_transpose_dbias(dy: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch
     if scale_inv_out is None:
         scale_inv_out = torch.empty((), dtype=torch.float32, device=dy.device)
     amax_buf = amax_out if amax_out is not None else torch.zeros((), dtype=torch.float32, device=dy.device)
-    data, data_t, dbias = _run(dy, m, n, fp8_dtype, scale=scale, amax_buf=amax_buf, with_amax=True,
+    data, data_t, dbias = _run(dy, m, n, fp8_dtype, scale=scale, amax_buf=amax_buf,
+                               amax_bits=amax_bits if amax_out is not None else None, with_amax=True,
                                scale_inv_out=scale_inv_out, transpose=True, dbias=True)
     if dy.numel() == 0:
         if amax_out is not None:
             amax_out.copy_(torch.fmax(amax_out, torch.zeros_like(amax_out)))
         _reciprocal_into(scale_inv_out, scale)
-    return data, data_t, scale_inv_out, dbias
+    return (*_typed(data, data_t, fp8_dtype, raw), scale_inv_out, dbias)
 
 
 def amax(x: torch.Tensor) -> torch.Tensor:
     """`max |x|` over the non-NaN elements of `x` (float32/bfloat16/float16, contiguous, any shape) as a 0-d
     float32 tensor (0 for an empty or all-NaN tensor). One zero-fill plus one kernel launch."""
     check_input(x, "kernels.amax")
-    out = torch.zeros((), dtype=torch.float32, device=x.device)
-    if x.numel() == 0:
-        return out
-    launch("amax_kernel", (cdiv(x.numel(), FLAT_BLOCK),), x.device, (x, out.view(torch.int32), x.numel()),
-           dict(BLOCK=FLAT_BLOCK), reads=(x,))
-    return out
+    return _amax(x)[0]
 
 
-def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where):
+def _amax(x: torch.Tensor):
+    """(the amax as a 0-d float32 tensor, the same memory seen as int32): `amax`'s launch, both views kept."""
+    bits = torch.zeros((), dtype=torch.int32, device=x.device)  # 0 is the bits of +0.0
+    out = bits.view(torch.float32)
+    if x.numel():
+        launch("amax_kernel", (cdiv(x.numel(), FLAT_BLOCK),), x.device, (x, bits, x.numel()),
+               dict(BLOCK=FLAT_BLOCK), reads=(x,))
+    return out, bits
+
+
+def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where, raw=False):
     m, n = check_input(x, where)
     fp8_max, _ = fp8_info(fp8_dtype, where)
     eps = float(amax_epsilon)
     if not (eps >= 0 and eps != float("inf")):
         raise ValueError(f"{where}: amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
-    a = amax(x)
+    a, bits = _amax(x)
     if group is not None:
         import torch.distributed as dist
 
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
     scale = torch.empty((), dtype=torch.float32, device=x.device)
-    scale_inv = torch.empty((), dtype=torch.float32, device=x.device)
-    data, data_t, grad = _run(x, m, n, fp8_dtype, amax_buf=a, scale_out=scale, scale_inv_out=scale_inv,
-                              scaled_max=fp8_max, eps=eps, power_2=power_2, transpose=transpose, dbias=dbias)
+    # raw: scale_inv `[1]`, the storages' shape (no reshape later)
+    scale_inv = torch.empty((1,) if raw else (), dtype=torch.float32, device=x.device)
+    data, data_t, grad = _run(x, m, n, fp8_dtype, amax_buf=a, amax_bits=bits, scale_out=scale,
+                              scale_inv_out=scale_inv, scaled_max=fp8_max, eps=eps, power_2=power_2,
+                              transpose=transpose, dbias=dbias)
     if x.numel() == 0:
         clamped = torch.clamp_min(a, eps) if eps > 0 else a
         scale.copy_(scale_from_amax(clamped, fp8_max, torch.ones_like(a), power_2))
-        scale_inv.copy_(torch.reciprocal(scale))
-    return data, data_t, scale, scale_inv, a, grad
+        scale_inv.copy_(torch.reciprocal(scale).reshape(scale_inv.shape))
+    return (*_typed(data, data_t, fp8_dtype, raw), scale, scale_inv, a, grad)
 
 
 def current_cast(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0, power_2: bool = False,
-                 transpose: bool = False, group=None):
+                 transpose: bool = False, group=None, *, raw: bool = False):
     """Current scaling (SPEC section 3): the amax pass, an optional all-reduce (MAX) of the amax over `group`, then
     one cast pass that computes the scale in the kernel from the amax and writes it with its inverse.
 
@@ -210,18 +233,21 @@ def current_cast(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 
     torch.distributed process group or None.
     Returns `(data, data_t, scale, scale_inv, amax)`; the last three are 0-d float32 tensors (amax after the
     reduction, before the epsilon). Two kernel launches (plus the amax zero-fill).
+    `raw=True`: `data` / `data_t` as uint8 bytes and `scale_inv` of shape `[1]` (what the quantizers' storages
+    hold, with no view operations).
     """
     data, data_t, scale, scale_inv, a, _ = _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, False,
-                                                    "kernels.current_cast")
+                                                    "kernels.current_cast", raw)
     return data, data_t, scale, scale_inv, a
 
 
 def current_cast_transpose_dbias(dy: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0,
-                                 power_2: bool = False, group=None):
+                                 power_2: bool = False, group=None, *, raw: bool = False):
     """Current scaling for grad_output: the amax pass (+ all-reduce over `group`), then one pass that writes the FP8
     bytes, their transpose and the bias-gradient partial sums, and the column-sum kernel.
 
     Returns `(data, data_t, scale, scale_inv, amax, dbias)` (see `current_cast` and `cast_transpose_dbias`).
-    Launches: 3 (plus the amax zero-fill).
+    Launches: 3 (plus the amax zero-fill). `raw` as in `current_cast`.
     """
-    return _current(dy, fp8_dtype, amax_epsilon, power_2, True, group, True, "kernels.current_cast_transpose_dbias")
+    return _current(dy, fp8_dtype, amax_epsilon, power_2, True, group, True, "kernels.current_cast_transpose_dbias",
+                    raw)

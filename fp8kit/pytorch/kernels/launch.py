@@ -80,6 +80,8 @@ def launch(kernel: str, grid: Tuple[int, ...], device: torch.device, args: Seque
     if device.type == "meta":
         return
     fn = getattr(module_for(device), kernel)
+    if device.type == "cpu":  # the interpreter reads tensors through NumPy, which refuses ones that require grad
+        args = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
     with _context(device):
         fn[tuple(grid)](*args, **constexprs)
 

@@ -104,6 +104,15 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._fp8_view_memo = (raw, fmt, data)  # the cast's FP8-typed tensor is the view (no second view op)
         return self
 
+    @classmethod
+    def from_bytes(cls, data: torch.Tensor, fp8_dtype: torch.dtype, scale_inv: torch.Tensor, fake_dtype: torch.dtype,
+                   data_transpose: Optional[torch.Tensor] = None) -> "Float8TensorStorage":
+        """A storage of uint8 `data` (and contiguous uint8 `data_transpose`) in the torch float8 format `fp8_dtype`,
+        with float32 `[1]` `scale_inv`, made by fp8kit's own kernels (no checks, no view operations)."""
+        self = cls.__new__(cls)
+        self._assign(data, _TE_DTYPE[fp8_dtype], scale_inv, fake_dtype, data_transpose, None, None)
+        return self
+
     # ---- reading ----
 
     @property
@@ -230,8 +239,16 @@ class Float8TensorStorage(QuantizedTensorStorage):
     @staticmethod
     def from_saved(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
                    scale_inv_value: Optional[float]) -> "Float8TensorStorage":
-        """An operand `saved_form` gave, back as a storage (its nominal dtype does not matter to the GEMMs)."""
-        return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
+        """An operand `saved_form` gave, back as a storage (its nominal dtype does not matter to the GEMMs). The
+        saved FP8-typed view is kept as the storage's `fp8_view()` (one view operation, for the uint8 bytes)."""
+        fmt = _TE_DTYPE.get(data.dtype)
+        if fmt is None or (scale_inv is None and scale_inv_value is None):  # not what saved_form gives: checked
+            return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
+        self = Float8TensorStorage.__new__(Float8TensorStorage)
+        raw = data.view(torch.uint8)
+        self._assign(raw, fmt, scale_inv, torch.float32, None, None, scale_inv_value)
+        self._fp8_view_memo = (raw, fmt, data)
+        return self
 
     # ---- autograd saving (Transformer Engine's protocol) ----
 
