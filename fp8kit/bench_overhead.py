@@ -21,7 +21,8 @@ rounds:
   TransformerLayer torch.nn.TransformerEncoderLayer (pre-norm, GELU, causal mask, no dropout)
 
 Also timed: the autocast exit (the batched delayed-scaling update) after 10, 200 and 1,000 Linear modules ran, which
-should not grow with the number of modules.
+should not grow with the number of modules. And counted (`fp8kit.bench_ops`): the operations one Linear step
+dispatches on the accelerator path (meta tensors, fp8kit's Triton kernels on and off) and on the CPU tensor path.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import fp8kit.pytorch as te
+from fp8kit.bench_ops import linear_op_counts
 from fp8kit.pytorch import host
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
@@ -191,7 +193,7 @@ def run_overhead_bench(quick: bool = False, rounds: Optional[int] = None, log=No
                 exits = bench_exit(rounds=rounds or 9, log=log)
     finally:
         torch.set_num_threads(threads)
-    return {"threads": 1, "path": "tensor", "modules": modules, "exit": exits}
+    return {"threads": 1, "path": "tensor", "modules": modules, "exit": exits, "ops": linear_op_counts()}
 
 
 def format_overhead_report(report: dict) -> str:
@@ -208,6 +210,17 @@ def format_overhead_report(report: dict) -> str:
     for row in report["exit"]:
         lines.append(f"{row['recipe']:22s} {row['modules']:8d} {row['exit_us']:9.1f} "
                      f"{row['first_allocation_us']:15.1f}")
+    if report.get("ops"):
+        lines.append("")
+        lines.append("operations one Linear(64, 64) forward + backward dispatches (16 tokens; aten operations + kernel "
+                     "launches; each costs the host about a launch on a GPU; delayed: the step's two batched updates "
+                     "included, which a model of many modules pays once)")
+        lines.append(f"{'path':17s} {'variant':30s} {'ops':>5s} {'launches':>9s} {'x torch':>8s}")
+        base = {row["path"]: row["ops"] for row in report["ops"] if row["variant"] == "torch"}
+        for row in report["ops"]:
+            total = row["ops"] + row["launches"]
+            lines.append(f"{row['path']:17s} {row['variant']:30s} {row['ops']:5d} {row['launches']:9d} "
+                         f"{total / base[row['path']]:8.2f}")
     lines.append("x: fp8kit's time over the torch equivalent's in the same rounds (forward includes the autocast exit)")
     lines.append("first alloc: the first allocation after the forward pass (the C allocator's deferred work on the "
                  "forward's freed temporaries), taken before the exit's timer")

@@ -11,37 +11,19 @@ which is what costs a launch on a GPU. Python work that dispatches nothing is no
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import sys
-from typing import Callable, Counter, Iterator
+from typing import Callable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp8kit.bench_ops import DispatchCounter as _Counter
 
 
-class DispatchCounter(TorchDispatchMode):
-    """`with DispatchCounter() as c: ...`; then `c.total` and `c.ops` (a Counter of op names)."""
-
-    def __init__(self, where: bool = False):
-        super().__init__()
-        self.ops: Counter[str] = collections.Counter()
-        self.where = collections.Counter() if where else None  # (op, fp8kit file:line) -> count
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        self.ops[name] += 1
-        if self.where is not None:
-            self.where[(name, _caller())] += 1
-        return func(*args, **(kwargs or {}))
-
-    @property
-    def total(self) -> int:
-        return sum(self.ops.values())
-
-    def table(self) -> str:
-        """The ops, most frequent first, one `name xN` per line."""
-        return "\n".join(f"  {name} x{n}" for name, n in self.ops.most_common())
+def DispatchCounter(where: bool = False) -> _Counter:
+    """`with DispatchCounter() as c: ...`; then `c.total` and `c.ops` (a Counter of op names); with `where`,
+    `c.where` counts (op, fp8kit file:line) pairs."""
+    return _Counter(_caller if where else None)
 
 
 def _caller() -> str:
@@ -49,19 +31,19 @@ def _caller() -> str:
     frame = sys._getframe(2)
     while frame is not None:
         name = frame.f_code.co_filename
-        if "/fp8kit/" in name or "/tests/" in name and "dispatch_count" not in name:
+        if ("/fp8kit/" in name or "/tests/" in name) and "dispatch_count" not in name and "bench_ops" not in name:
             return f"{name.rsplit('/', 2)[-2]}/{name.rsplit('/', 1)[-1]}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
 
 
 @contextlib.contextmanager
-def counting() -> Iterator[DispatchCounter]:
+def counting() -> Iterator[_Counter]:
     with DispatchCounter() as counter:
         yield counter
 
 
-def count(fn: Callable[[], object], where: bool = False) -> DispatchCounter:
+def count(fn: Callable[[], object], where: bool = False) -> _Counter:
     """Run `fn()` once under a counter and return it (autograd's backward included when fn calls it)."""
     with DispatchCounter(where) as counter:
         fn()

@@ -38,3 +38,19 @@ def test_overhead_excludes_the_other_modes(capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--overhead", "--compile"])
     assert "--overhead" in capsys.readouterr().err
+
+
+def test_linear_op_counts_rows():
+    """`fp8kit bench --overhead` counts one Linear step's operations on both paths: torch's own count is the same
+    on meta and CPU tensors, fp8kit's casts show up as more operations, and only the kernel rows launch kernels."""
+    from fp8kit.bench_ops import linear_op_counts
+
+    rows = {(r["path"], r["variant"]): r for r in linear_op_counts()}
+    torch_ops = rows[("accelerator", "torch")]["ops"]
+    assert torch_ops == rows[("cpu tensor path", "torch")]["ops"] > 0
+    for (path, variant), row in rows.items():
+        if variant != "torch":
+            assert row["ops"] + row["launches"] > torch_ops, (path, variant, row)
+        assert (row["launches"] > 0) == variant.endswith("kernels on"), (path, variant, row)
+    text = format_overhead_report({"modules": [], "exit": [], "ops": list(rows.values())})
+    assert "fp8kit current, kernels on" in text and "cpu tensor path" in text

@@ -13,8 +13,9 @@ compiled and interpreted variants are separate module objects (`kernel_module`),
 
 from __future__ import annotations
 
+import contextlib
 import os
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -31,7 +32,7 @@ from .launch import Launch, observe_launches
 from .loader import TRUE_VALUES, interpreter_on, kernel_module
 from .update_ops import update, update_tensors
 
-__all__ = ["enabled", "set_enabled", "refresh", "available", "use_for", "interpreter_on", "kernel_module",
+__all__ = ["enabled", "set_enabled", "enabled_as", "refresh", "available", "use_for", "interpreter_on", "kernel_module",
            "cast_amax", "cast", "cast_transpose_amax", "cast_transpose_dbias", "amax", "current_cast",
            "current_cast_transpose_dbias",
            "update", "update_tensors", "observe_launches", "Launch"]
@@ -62,6 +63,17 @@ def use_for(x: torch.Tensor) -> bool:
     calls it), so that a cast reads no environment variable."""
     return _enabled_now[0] and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous() \
         and available(x.device)
+
+
+@contextlib.contextmanager
+def enabled_as(flag: bool) -> Iterator[None]:
+    """`set_enabled(flag)` in a scope; the setting before it (a flag, or following `FP8KIT_TRITON`) comes back."""
+    before = _enabled
+    set_enabled(flag)
+    try:
+        yield
+    finally:
+        set_enabled(before)
 
 
 _enabled_now = [False]  # enabled() when refresh() ran last
