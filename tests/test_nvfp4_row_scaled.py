@@ -194,3 +194,13 @@ def test_views_copies_and_pickle_keep_row_scaling(tmp_path):
     torch.save(q, path)
     back = torch.load(path, weights_only=True)
     assert back._row_scaled_nvfp4 and torch.equal(back.dequantize(), q.dequantize())
+
+
+@pytest.mark.parametrize("row_scaled", [False, True])
+def test_empty_tensor_dequantizes(row_scaled):
+    """An empty split (GroupedLinear) quantizes and dequantizes from either usage; its row amaxes are empty."""
+    t = NVFP4Quantizer(row_scaled_nvfp4=row_scaled)(torch.empty(0, 32))
+    assert t._amax_rowwise.shape == ((0,) if row_scaled else (1,))
+    assert t.dequantize().shape == (0, 32)
+    t.update_usage(rowwise_usage=False)
+    assert t.dequantize().shape == (0, 32)

@@ -150,8 +150,8 @@ class NVFP4TensorStorage(BlockScaledStorage):
         if data is None:
             raise ValueError(f"NVFP4: the tensor has no {'columnwise' if columnwise else 'rowwise'} data")
         m, k = _flat2d(self._logical_shape())
-        rows = k if columnwise else m
-        values = nc.e2m1_decode(nc.unpack_e2m1(data.reshape(rows, -1)))
+        rows, cols = (k, m) if columnwise else (m, k)
+        values = nc.e2m1_decode(nc.unpack_e2m1(data.reshape(rows, cols // 2)))  # (explicit: rows may be 0)
         scales = self.block_scales(columnwise).view(torch.float8_e4m3fn).float()
         amax = self._amax_columnwise if columnwise else self._amax_rowwise
         return values, scales, amax.float().reshape(-1 if self._flag else 1)
