@@ -42,8 +42,10 @@ def test_every_bf16_pattern(two_d, row_scaled):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_wide_range_3d_and_rowwise_only(dtype):
-    x = wide_range((2, 32, 48), dtype, seed=1)
+    x = wide_range((2, 32, 48), dtype, seed=1).requires_grad_(True)
     t = _quantizer(columnwise=False).quantize(x)
+    assert not t.global_amax_row.requires_grad
+    x = x.detach()
     assert t.original_shape == (2, 32, 48) and t.size() == torch.Size((2, 32, 48))
     assert t.global_amax_col is t.global_amax_row  # aliased without the columnwise usage, as TE's
     _check(t, x.reshape(64, 48).float().numpy(), False, False, columnwise=False)

@@ -296,7 +296,8 @@ class NVFP4QuantizerRef(Quantizer):
 
     def quantize_impl(self, tensor: torch.Tensor) -> NVFP4TensorRef:
         x = self._checked(tensor)
-        qx, sx, qx_t, sx_t, amax_row, amax_col = self._quantize(x)
+        with torch.no_grad():  # bytes and amaxes: nothing to differentiate
+            qx, sx, qx_t, sx_t, amax_row, amax_col = self._quantize(x)
         return NVFP4TensorRef(data=qx, scale=sx, data_t=qx_t, scale_t=sx_t, global_amax_row=amax_row,
                               global_amax_col=amax_col, dtype=x.dtype, device=x.device, quant_dtype=self.dtype,
                               original_shape=tuple(tensor.shape), _quantizer=self)
