@@ -314,14 +314,20 @@ def nvfp4_global_scale(amax_value) -> np.float32:
     return np.float32(1.0) if (a == 0 or s == 0) else np.float32(s)
 
 
-def nvfp4_quantize(x: np.ndarray, two_d: bool = False, rand: Optional[np.ndarray] = None) -> tuple:
+def nvfp4_quantize(x: np.ndarray, two_d: bool = False, rand: Optional[np.ndarray] = None,
+                   row_scaled: bool = False) -> tuple:
     """(packed bytes (M, K/2), E4M3 scale bytes (M, K/16), amax float32) of the 2-D `x` (its values as float32).
-    `rand` (uniform [0, 1) of x's shape): stochastic rounding, up when rand < (|v| - lo) / (hi - lo)."""
+    `rand` (uniform [0, 1) of x's shape): stochastic rounding, up when rand < (|v| - lo) / (hi - lo).
+    `row_scaled`: the global scale of each row from that row's amax (amax then float32 (M,))."""
     x = np.asarray(x, dtype=np.float32)
     m, k = x.shape
-    a = np.float32(amax(x)) if x.size else np.float32(0)
-    s_enc = nvfp4_global_scale(a)
-    s_dec = np.float32(1.0) / s_enc
+    if row_scaled:
+        a = np.array([amax(r) for r in x], dtype=np.float32).reshape(m)
+        s_enc = np.array([nvfp4_global_scale(v) for v in a], dtype=np.float32).reshape(m, 1)
+    else:
+        a = np.float32(amax(x)) if x.size else np.float32(0)
+        s_enc = nvfp4_global_scale(a)
+    s_dec = (np.float32(1.0) / s_enc).astype(np.float32)
     ax = np.where(np.isnan(x), np.float32(0), np.abs(x))
     if two_d:
         bmax = ax.reshape(m // 16, 16, k // 16, 16).max(axis=(1, 3)).repeat(16, axis=0)
@@ -382,8 +388,16 @@ def nvfp4_gemm(qa: np.ndarray, sa: np.ndarray, amax_a, qb: np.ndarray, sb: np.nd
         blk = slice(16 * j, 16 * (j + 1))
         p = (va[:, blk] @ vb[:, blk].T).astype(np.float32)
         y = y + np.outer(fa[:, j], fb[:, j]).astype(np.float32) * p
-    alpha = np.float32(np.float32(amax_a) * np.float32(amax_b)) / np.float32(6.0 * 6.0 * 448.0 * 448.0)
-    return (alpha * y).astype(np.float32)
+    divisor = np.float32(6.0 * 6.0 * 448.0 * 448.0)
+    amax_a, amax_b = np.asarray(amax_a, np.float32).reshape(-1), np.asarray(amax_b, np.float32).reshape(-1)
+    if amax_a.size == 1 and amax_b.size == 1:
+        alpha = np.float32(amax_a[0] * amax_b[0]) / divisor
+        return (alpha * y).astype(np.float32)
+    # row-scaled: unit global scales in the GEMM, then the output rows (A's amaxes) and columns (B's) in float32
+    y = (y * (np.float32(1.0) / divisor)).astype(np.float32)
+    if amax_a.size == 1 or amax_b.size == 1:
+        return (y * (amax_a.reshape(-1, 1) * amax_b.reshape(1, -1))).astype(np.float32)
+    return ((y * amax_a.reshape(-1, 1)).astype(np.float32) * amax_b.reshape(1, -1)).astype(np.float32)
 
 
 def bf16_of(x: np.ndarray) -> np.ndarray:

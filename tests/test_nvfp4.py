@@ -127,8 +127,6 @@ def test_errors():
         NVFP4Quantizer()(torch.ones(16, 24))
     with pytest.raises(ValueError, match="divisible by 16"):
         NVFP4Quantizer()(torch.ones(32))
-    with pytest.raises(NotImplementedError, match="row_scaled_nvfp4"):
-        NVFP4Quantizer(row_scaled_nvfp4=True)
     with pytest.raises(NotImplementedError, match="nvfp4_use_4over6"):
         NVFP4Quantizer(nvfp4_use_4over6=True)
     with pytest.raises(NotImplementedError, match="with_post_rht_amax"):

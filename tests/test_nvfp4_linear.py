@@ -79,13 +79,6 @@ def test_checkpoint_recompute_draws_the_same(use_reentrant):
     assert not torch.equal(y.detach(), grads[0][0])
 
 
-def test_row_scaled_activation_refused():
-    lin, x, _ = _linear()
-    with pytest.raises(NotImplementedError, match="row_scaled_activation"):
-        with te.autocast(recipe=NVFP4BlockScaling(row_scaled_activation=True)):
-            lin(x)
-
-
 @pytest.mark.parametrize("name", ["layernorm_linear", "layernorm_mlp", "grouped_linear", "transformer_layer"])
 def test_modules_run_and_stay_close_to_high_precision(name):
     """Every module's GEMMs under the default recipe: forward and input gradient within NVFP4's error of the same

@@ -202,12 +202,13 @@ def test_autocast_refuses_them_naming_the_recipe(cls):
 
     recipe = make(cls)
     layer = te.Linear(32, 32)
-    # those run: tests/test_block_linear.py, tests/test_nvfp4_linear.py
+    # those run: tests/test_block_linear.py, tests/test_nvfp4_linear.py, tests/test_custom_recipe_autocast.py
     # and their quantized weights: tests/test_block_weights.py
-    if cls.__name__ not in ("MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"):
+    if cls.__name__ not in ("MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling", "CustomRecipe"):
         with pytest.raises(NotImplementedError, match=cls.__name__):
             with te.autocast(recipe=recipe):
                 layer(torch.randn(4, 32))
+    if cls.__name__ not in ("MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"):
         with pytest.raises(NotImplementedError, match=cls.__name__):
             with te.quantized_model_init(recipe=recipe):
                 pass
@@ -236,3 +237,10 @@ def test_quantizer_role_and_requests_as_in_transformer_engine():
                        (dict(amax_compute_algo="mean"), "amax_compute_algo"), (dict(reduce_amax=1), "reduce_amax")):
         with pytest.raises(ValueError, match=field):
             te.DelayedScalingRequest(**bad)
+
+
+def test_nvfp4_row_scaled_activation_implemented_by_pytorch_only():
+    r = NVFP4BlockScaling(row_scaled_activation=True)
+    r.check_implemented(row_scaled=True)  # fp8kit.pytorch (tests/test_nvfp4_row_scaled.py)
+    with pytest.raises(NotImplementedError, match="row_scaled_activation=True.*fp8kit.jax"):
+        r.check_implemented()

@@ -6,6 +6,7 @@ import torch
 from . import (  # fsdp: Float8Tensor's FSDP2 all-gather hooks
     attention,
     block_families,  # noqa: F401  (registers the block-scaled recipe families and their GEMM rule)
+    custom_recipe,  # noqa: F401  (registers CustomRecipe: quantizers from its factory, GEMMs by their qgemm)
     distributed,
     fsdp,
     nvfp4_recipe,  # noqa: F401  (registers the NVFP4 recipe family and its GEMM rules)

@@ -13,6 +13,9 @@ The rules, in float32 (each operation rounds to nearest even), for a tensor with
    (`stochastic_rounding`): up with probability (|v| - lo) / (hi - lo) between the neighbouring E2M1 magnitudes.
    The sign bit is x's sign bit (so -0.0 gives the code of -0); NaN gives code 0, as TE's reference quantizer.
 5. packing: element 2i in the low nibble of byte i, element 2i+1 in the high nibble.
+
+Row-scaled NVFP4 (`row_scaled`, TE's `row_scaled_nvfp4`, 1x16 blocks only): rule 1 per row instead of per tensor,
+each row's amax `A_r` giving its own `S_r` and `D_r`, which rules 2 to 4 use for that row's blocks.
 """
 
 from __future__ import annotations
@@ -99,11 +102,13 @@ def e2m1_decode(codes: torch.Tensor) -> torch.Tensor:
 
 
 def nvfp4_cast(x: torch.Tensor, amax: Optional[torch.Tensor] = None, two_d: bool = False,
-               rand: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               rand: Optional[torch.Tensor] = None,
+               row_scaled: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize the (M, K) tensor `x` (M, K multiples of 16): 1x16 blocks along K, or 16x16 blocks (`two_d`), with
     the per-tensor `amax` (float32, (1,); None: x's own, rule 1). Returns (packed uint8 (M, K / 2), E4M3 scale bytes
     uint8 (M, K / 16), a 16x16 block's scale repeated on its 16 rows; the amax used). `rand`: uniform draws of x's
-    shape for stochastic rounding (None: round to nearest even)."""
+    shape for stochastic rounding (None: round to nearest even). `row_scaled`: one amax per row (float32 (M,), x's
+    own rows' when `amax` is None), 1x16 blocks only."""
     m, k = x.shape
     if m % NVFP4_BLOCK or k % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs dims divisible by {NVFP4_BLOCK}: got shape ({m}, {k})")
@@ -112,11 +117,18 @@ def nvfp4_cast(x: torch.Tensor, amax: Optional[torch.Tensor] = None, two_d: bool
         block_amax = nan_free_abs(tiles).amax(dim=(1, 3)).float()
     else:
         block_amax = nan_free_abs(x.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK)).amax(dim=2).float()
-    if amax is None:  # the largest block amax is the tensor's (NaN ignored in both)
-        amax = block_amax.amax().reshape(1) if block_amax.numel() else torch.zeros(1, device=x.device)
+    if row_scaled:
+        if two_d:
+            raise ValueError("row-scaled NVFP4 supports 1x16 blocks only, not 16x16 (2D) quantization")
+        if amax is None:  # a row's largest block amax is the row's (NaN ignored in both)
+            amax = block_amax.amax(dim=1) if k else torch.zeros(m, device=x.device)
+        encode = global_encode_scale(amax).reshape(m, 1)
+    else:
+        if amax is None:  # the largest block amax is the tensor's (NaN ignored in both)
+            amax = block_amax.amax().reshape(1) if block_amax.numel() else torch.zeros(1, device=x.device)
+        encode = global_encode_scale(amax).reshape(())
     if two_d:
         block_amax = block_amax.repeat_interleave(NVFP4_BLOCK, dim=0)
-    encode = global_encode_scale(amax).reshape(())
     scale_bytes, factor = block_scales(block_amax, encode)
     v = x.float().reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK) * factor[:, :, None]
     v = v.clamp(-E2M1_MAX, E2M1_MAX).reshape(m, k)

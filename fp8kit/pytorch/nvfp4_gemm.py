@@ -10,6 +10,12 @@ Transformer Engine's reference (pytorch/custom_recipes/reference_nvfp4.py, `qgem
 3. `y = alpha * y` with `alpha = float32(amax_a * amax_b) / (6 * 6 * 448 * 448)` (each operand's amax of the layout
    used), then the bias in float32, then the output dtype; with `accumulate`, `out + y.to(out.dtype)`.
 Dims: K a multiple of 32 and N of 8, as TE's NVFP4 GEMM requires (refused otherwise).
+
+With a row-scaled operand (TE's `general_gemm` for `row_scaled_nvfp4` tensors, cpp_extensions/gemm.py): step 3 runs
+with both amaxes taken as 1 (`alpha = 1 / (6 * 6 * 448 * 448)`), giving float32 `y`; then, in float32, with `r` the
+amaxes of A's rows (M,) or A's one amax and `c` those of B's rows (N,) or B's one: `y * (r * c)` when one of them
+is a single value (their product first), else `(y * r) * c`; then the bias in float32 and the output dtype (with
+`accumulate`, `out + y.to(out.dtype)`), as in step 3.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
     accumulation of the module docstring."""
     va, sa, amax_a = _operand(a, transpose_a)
     vb, sb, amax_b = _operand(b, transpose_b)
+    row_scaled = a._row_scaled_nvfp4 or b._row_scaled_nvfp4
     m, k = va.shape
     n = vb.shape[0]
     if vb.shape[1] != k:
@@ -59,8 +66,16 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
         partial = torch.bmm(ab[first:last], bb[first:last])  # exact in float32
         for j in range(first, last):
             y = y + (sa[:, j, None] * sb[None, :, j]) * partial[j - first]
-    alpha = (amax_a * amax_b) / _ALPHA_DIVISOR
-    return gemm_epilogue(alpha * y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
+    if not row_scaled:
+        alpha = (amax_a * amax_b) / _ALPHA_DIVISOR
+        return gemm_epilogue(alpha * y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
+    y = y * torch.reciprocal(torch.full((), _ALPHA_DIVISOR, dtype=torch.float32, device=y.device))
+    rows, cols = amax_a.reshape(-1, 1), amax_b.reshape(1, -1)
+    if rows.numel() not in (1, m) or cols.numel() not in (1, n):
+        raise ValueError(f"nvfp4_gemm: row-scaled amaxes {rows.numel()} and {cols.numel()} do not fit a ({m}, {n}) "
+                         "output")
+    y = y * (rows * cols) if rows.numel() == 1 or cols.numel() == 1 else (y * rows) * cols
+    return gemm_epilogue(y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
 
 
 def _unwrap(t):

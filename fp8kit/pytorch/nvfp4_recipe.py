@@ -25,18 +25,21 @@ from .tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4TensorStorage, TransposedN
 __all__ = ["nvfp4_role_quantizers"]
 
 
-def _quantizer(qparams) -> NVFP4Quantizer:
+def _quantizer(qparams, row_scaled: bool = False) -> NVFP4Quantizer:
     rht = bool(qparams.random_hadamard_transform)
     return NVFP4Quantizer(rowwise=True, columnwise=True, with_rht=rht, with_post_rht_amax=rht,
                           with_2d_quantization=bool(qparams.fp4_2d_quantization),
-                          stochastic_rounding=bool(qparams.stochastic_rounding))
+                          stochastic_rounding=bool(qparams.stochastic_rounding), row_scaled_nvfp4=row_scaled)
 
 
 def nvfp4_role_quantizers(recipe) -> Tuple[RoleQuantizer, RoleQuantizer, RoleQuantizer]:
     """(input, weight, grad_output) quantizers of a Linear-like GEMM under an NVFP4BlockScaling `recipe` (read by
-    attribute: `fp4_quant_fwd_inp`, `fp4_quant_fwd_weight`, `fp4_quant_bwd_grad`)."""
-    return tuple(RoleQuantizer(_quantizer(q)) for q in
-                 (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad))
+    attribute: `fp4_quant_fwd_inp`, `fp4_quant_fwd_weight`, `fp4_quant_bwd_grad`). With `row_scaled_activation`
+    the input (the forward activation) is row-scaled, as in Transformer Engine (its QParams must then ask for no
+    RHT, 2D blocks or stochastic rounding: refused when quantizing otherwise)."""
+    return (RoleQuantizer(_quantizer(recipe.fp4_quant_fwd_inp, bool(recipe.row_scaled_activation))),
+            RoleQuantizer(_quantizer(recipe.fp4_quant_fwd_weight)),
+            RoleQuantizer(_quantizer(recipe.fp4_quant_bwd_grad)))
 
 
 def _quantizers(call, gemm: int):
@@ -44,14 +47,15 @@ def _quantizers(call, gemm: int):
 
 
 def _plan(plan, recipe, module, call) -> None:
-    """The block families' options (float32 accumulation, `backward_override`); `row_scaled_activation` (one amax
-    per row) is not implemented: refused."""
-    recipe.check_implemented()
+    """The block families' options (float32 accumulation, `backward_override`); the 4over6 options are refused."""
+    recipe.check_implemented(row_scaled=True)
     block_plan(plan, recipe, module, call)
 
 
 register_gemm_rule(NVFP4TensorStorage, nvfp4_gemm_rule)
 register_gemm_rule(TransposedNVFP4Operand, nvfp4_gemm_rule)
+
+
 def _weight_quantizer(recipe) -> NVFP4Quantizer:
     """The quantizer of a weight parameter under `quantized_model_init(recipe=...)` (the recipe's weight QParams,
     both layouts): it makes NVFP4Tensor parameters."""

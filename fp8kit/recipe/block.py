@@ -157,7 +157,7 @@ class NVFP4BlockScaling(Recipe):
       disable_rht: no random Hadamard transform (by default applied to the column-wise input and gradient).
       disable_stochastic_rounding: round gradients to nearest instead of stochastically.
       disable_2d_quantization: 1x16 blocks for weights too (by default weights use 16x16 blocks).
-      row_scaled_activation: forward activations carry one float32 amax per row.
+      row_scaled_activation: forward activations carry one float32 amax per row (fp8kit.pytorch only).
       nvfp4_4over6, nvfp4_4over6_e4m3_use_256, nvfp4_4over6_err_mode: Transformer Engine's 4over6 options,
         validated as Transformer Engine does; fp8kit implements only their defaults ("none", "all", "MAE"): a recipe
         with another value constructs (Transformer Engine's tests build one at import) and its first FP8 forward
@@ -217,16 +217,17 @@ class NVFP4BlockScaling(Recipe):
                 return f"{name}={getattr(self, name)!r}"
         return None
 
-    def check_implemented(self) -> None:
-        """Raise NotImplementedError, naming the field, where the recipe asks for what fp8kit does not implement
-        (4over6 options other than their defaults, `row_scaled_activation`); called at the first FP8 forward."""
+    def check_implemented(self, row_scaled: bool = False) -> None:
+        """Raise NotImplementedError, naming the field, where the recipe asks for what the caller does not implement
+        (4over6 options other than their defaults; `row_scaled_activation` unless `row_scaled`, fp8kit.pytorch
+        implementing it and fp8kit.jax not); called at the first FP8 forward."""
         unsupported = self.unsupported_4over6()
         if unsupported is not None:
             raise NotImplementedError(f"NVFP4BlockScaling({unsupported}): NVFP4 4over6 block scaling is not "
                                       "implemented in fp8kit; leave the 4over6 options at their defaults")
-        if self.row_scaled_activation:
+        if self.row_scaled_activation and not row_scaled:
             raise NotImplementedError("NVFP4BlockScaling(row_scaled_activation=True): row-scaled NVFP4 activations "
-                                      "are not implemented in fp8kit")
+                                      "are not implemented in fp8kit.jax")
 
     def _make_repr(self) -> str:
         return (f"recipe_type={type(self).__name__}, fp4_format={self.fp4_format.name}, "
