@@ -14,8 +14,14 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from fp8kit.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
-                           NVFP4BlockScaling)
+from fp8kit.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 SHAPES = [(16, 64, 64), (1024, 512, 512), (4096, 1024, 1024)]
 BASELINE = "torch bf16"

@@ -122,7 +122,8 @@ def test_no_graph_breaks(recipe_name, placement):
 
 
 @pytest.mark.parametrize("recipe_name,placement",
-                         [("mxfp8", "inside")] + [pytest.param(r, "inside", marks=_SLOW) for r in RECIPES if r != "mxfp8"]
+                         [("mxfp8", "inside")]
+                         + [pytest.param(r, "inside", marks=_SLOW) for r in RECIPES if r != "mxfp8"]
                          + [pytest.param("mxfp8", "outside", marks=_SLOW)])
 def test_compiled_steps_match_eager(recipe_name, placement):
     """aot_eager, bit for bit, and one compile for all steps (3 steps): block scales keep no state, nothing to

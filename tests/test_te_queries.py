@@ -219,6 +219,7 @@ def test_delayed_wgrad_refuses_the_implicit_fallback_with_a_bias(bias):
 @pytest.mark.parametrize("margin", [0, 1, 3])
 def test_default_sf_compute_is_te_default_scale_rule(margin):
     from fp8kit.pytorch.quantization import _default_sf_compute
+
     from reference import clamp_scale, scaled_max
 
     fp8_max = 448.0

@@ -29,8 +29,14 @@ from typing import Dict, List
 import torch
 
 import fp8kit.pytorch as te
-from fp8kit.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
-                           NVFP4BlockScaling)
+from fp8kit.recipe import (
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    Format,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+)
 
 from .data import Batches, Corpus
 from .model import GPT, GPTConfig

@@ -24,8 +24,14 @@ from ..block_cast import round_up
 from ..constants import DType
 from ..hadamard import rht
 from ..quantized_tensor import QuantizedTensor
-from .block_storage import (FIELDS, BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin, TransposedBlockOperand,
-                            rebuild_pickled_block_tensor)
+from .block_storage import (
+    FIELDS,
+    BlockQuantizer,
+    BlockScaledStorage,
+    BlockScaledTensorMixin,
+    TransposedBlockOperand,
+    rebuild_pickled_block_tensor,
+)
 from .mxfp8_tensor import _flat2d, _zero_padded  # the flattened (M, K) and zero-padded scales, as MXFP8's
 
 __all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage", "TransposedNVFP4Operand", "nvfp4_scale_shape"]
