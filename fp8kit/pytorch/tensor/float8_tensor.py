@@ -102,9 +102,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
 
     def storage_view(self) -> Float8TensorStorage:
         """The same bytes as a plain storage (what the GEMMs take)."""
-        return Float8TensorStorage(data=self._data, fp8_scale_inv=self.scale_inv, fp8_dtype=self._fp8_dtype,
-                                   fake_dtype=self.dtype, data_transpose=None if self._transpose_invalid
-                                   else self._transpose, quantizer=self._quantizer)
+        return as_storage(self)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         head = f"Float8Tensor(fp8_dtype={self._fp8_dtype.name}, shape={tuple(self.shape)}, dtype={self.dtype}"
@@ -411,5 +409,9 @@ class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
 
 
 def as_storage(t: Union[Float8TensorStorage, torch.Tensor]) -> Float8TensorStorage:
-    """A Float8Tensor's bytes as a plain storage for the GEMMs (storages pass through)."""
-    return t.storage_view() if isinstance(t, Float8Tensor) else t
+    """A Float8Tensor's bytes as a plain storage for the GEMMs (storages pass through). A function, not a method:
+    torch.compile traces a method call on a tensor subclass as a tensor operation, which must return a tensor."""
+    if not isinstance(t, Float8Tensor):
+        return t
+    return Float8TensorStorage(data=t._data, fp8_scale_inv=t.scale_inv, fp8_dtype=t._fp8_dtype, fake_dtype=t.dtype,
+                               data_transpose=None if t._transpose_invalid else t._transpose, quantizer=t._quantizer)
