@@ -10,8 +10,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from ..compiled import compiling
-from ..fp8_weights import check_quantized_weight, is_quantized_weight
 from ..distributed import TensorParallel, tensor_parallel
+from ..fp8_weights import check_quantized_weight, is_quantized_weight
 from ..recipe_families import FAMILIES
 from ..tensor.float8_tensor import as_storage
 from ..tensor.storage import Float8TensorStorage
