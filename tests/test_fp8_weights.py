@@ -230,8 +230,15 @@ def test_get_quantizer_requantizes_the_high_precision_init_value(recipe):
     expected, _ = ref.cast(hp.float().numpy(), "e4m3", scale)
     np.testing.assert_array_equal(fresh._data.numpy(), expected)
     np.testing.assert_array_equal(w._data.numpy(), expected)
-    # without a quantizer of its own, a Float8Tensor falls back on the delayed quantizer of its scale
+    # without a quantizer of its own, a Float8Tensor has no default one (TE raises the same ValueError), so it cannot
+    # be written from high-precision values; a Float8Tensor of the same format still copies its bytes
     bare = te.Float8Tensor(shape=[2, 2], dtype=torch.float32, data=torch.zeros(2, 2, dtype=torch.uint8),
                            fp8_dtype=te.DType.kFloat8E4M3, fp8_scale_inv=torch.full([1], 0.5))
-    assert isinstance(bare._get_quantizer(), te.Float8Quantizer)
-    assert float(bare._get_quantizer().scale) == 2.0
+    msg = "Float8Tensor has no quantizer and no default quantizer is available defined in the subclass"
+    for write in (bare._get_quantizer, lambda: bare.quantize_(torch.ones(2, 2)), lambda: bare.copy_(torch.ones(2, 2)),
+                  lambda: bare.mul_(2)):
+        with pytest.raises(ValueError, match=msg):
+            write()
+    assert torch.equal(bare._data, torch.zeros(2, 2, dtype=torch.uint8))  # nothing written
+    bare.copy_(w[:2, :2].contiguous())
+    np.testing.assert_array_equal(bare._data.numpy(), expected[:2, :2])

@@ -104,3 +104,47 @@ def test_make_graphed_callables_with_kwargs():
     eager = layer(x, attention_mask=mask)
     graphed = te.make_graphed_callables(layer, (x,), sample_kwargs={"attention_mask": mask}, num_warmup_iters=1)
     torch.testing.assert_close(graphed(x, attention_mask=mask), eager, rtol=0, atol=0)
+
+
+class _Grouped(torch.nn.Module):  # TE's _GroupedLinearWrapper: [s, b, h] tokens split evenly over the GEMMs
+    def __init__(self, dtype):
+        super().__init__()
+        self.grouped_linear = te.GroupedLinear(2, HIDDEN, HIDDEN, params_dtype=dtype)
+
+    def forward(self, x):
+        s, b, h = x.shape
+        return self.grouped_linear(x.reshape(s * b, h), [s * b // 2] * 2).reshape(s, b, h)
+
+
+@pytest.mark.parametrize("module", ["grouped_linear", pytest.param("mha", marks=_SLOW)])
+def test_make_graphed_callables_of_fp8_weights_replays_eager_bits(module):
+    # FP8 weight parameters (quantized_model_init) inside the compiled graph: the weight's bytes are read as a plain
+    # storage and its FP8 view made inside the traced autograd Function (TE's test_cuda_graphs fp8_params cases)
+    recipe, dtype = Float8CurrentScaling(), torch.bfloat16
+
+    def make():
+        torch.manual_seed(3)
+        with te.quantized_model_init(enabled=True, recipe=recipe):
+            if module == "mha":
+                return te.MultiheadAttention(HIDDEN, 2, attention_dropout=0.0, params_dtype=dtype,
+                                             fuse_qkv_params=True)
+            return _Grouped(dtype)
+
+    def run(graphed):
+        m = make()
+        assert all(isinstance(p, te.Float8Tensor) for n, p in m.named_parameters() if "weight" in n
+                   and "layer_norm" not in n)
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(4, 2, HIDDEN, generator=g, dtype=dtype).requires_grad_()
+        dy = torch.randn(4, 2, HIDDEN, generator=g, dtype=dtype)
+        call = te.make_graphed_callables(m, (x.detach().clone().requires_grad_(),), num_warmup_iters=1,
+                                         enabled=True, recipe=recipe) if graphed else m
+        with te.autocast(enabled=True, recipe=recipe):
+            y = call(x)
+        y.backward(dy)
+        return [y.detach(), x.grad] + [p.grad for p in m.parameters()]
+
+    eager, graphed = run(False), run(True)
+    assert all(g is not None for g in eager)
+    for got, want in zip(graphed, eager):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

@@ -77,6 +77,32 @@ def test_norm_accuracy(norm, dtype, eps, zero_centered):
     _assert_close(got, [y, x64.grad] + [p.grad for p in params], dtype)
 
 
+@pytest.mark.parametrize("module", ["LayerNorm", "LayerNormLinear"])
+def test_bf16_norm_parameter_grads_are_rounded_once(module):
+    # TE's test_gpt_accuracy in bfloat16 (256 tokens): the norm's gamma / beta gradients are sums over every token,
+    # accumulated in float32 and rounded to bfloat16 once (TE's kernels), so within one bfloat16 ulp of float64;
+    # a bfloat16 running sum over the tokens is hundreds of ulps off (torch's CPU layer_norm, TE's oracle there)
+    torch.manual_seed(4)
+    dtype, hidden, tokens = torch.bfloat16, 128, 256
+    norm = te.LayerNorm(hidden, params_dtype=dtype) if module == "LayerNorm" else \
+        te.LayerNormLinear(hidden, 64, params_dtype=dtype)
+    gamma = norm.weight if module == "LayerNorm" else norm.layer_norm_weight
+    beta = norm.bias if module == "LayerNorm" else norm.layer_norm_bias
+    with torch.no_grad():
+        gamma.normal_(1, 0.1)
+    x = torch.randn(tokens, hidden, dtype=dtype)
+    out = norm(x)
+    dy = torch.randn(out.shape, dtype=dtype)
+    out.backward(dy)
+    x64 = x.double()
+    xhat = (x64 - x64.mean(-1, keepdim=True)) * torch.rsqrt(x64.var(-1, unbiased=False, keepdim=True) + 1e-5)
+    # LayerNormLinear: the norm's output gradient is the GEMM's dgrad, in bfloat16
+    dh = (dy if module == "LayerNorm" else dy @ norm.weight.detach()).double()
+    for got, want in ((gamma.grad, (dh * xhat).sum(0)), (beta.grad, dh.sum(0))):
+        ulp = 2.0 ** (torch.floor(torch.log2(want.abs().clamp_min(2.0 ** -100))) - 7)
+        assert ((got.double() - want).abs() <= ulp).all()
+
+
 @pytest.mark.parametrize("normalization,activation", [("LayerNorm", "gelu"), ("RMSNorm", "swiglu"),
                                                       ("RMSNorm", "relu")])
 def test_layernorm_mlp_accuracy(normalization, activation):

@@ -10,7 +10,7 @@ import torch
 
 import fp8kit.pytorch as te
 from fp8kit.pytorch.quantization import FP8GlobalStateManager
-from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling, Format, MXFP8BlockScaling
 
 import reference as ref
 
@@ -107,3 +107,33 @@ def test_quantizer_update_warns_on_a_new_history_length(module):
     with te.autocast(recipe=DelayedScaling(amax_history_len=1)):
         with pytest.warns(UserWarning, match="Quantizer is being updated, this may affect model behavior"):
             layer(torch.randn(32, 32), *args)
+
+
+def test_module_quantizers_follow_the_recipe():
+    # TE's `module.quantizers` (test_dynamic_recipe_update): per GEMM 3 forward slots (input, weight, output) and 2
+    # backward ones, of the last FP8 forward's recipe; TE's user-facing classes, quantizing as the module does
+    layer = te.GroupedLinear(2, 32, 32)
+    assert dict(layer.quantizers) == {"scaling_fwd": (), "scaling_bwd": ()}
+    x = torch.randn(64, 32)
+    for recipe, cls in ((DelayedScaling(margin=1), te.Float8Quantizer),
+                        (Float8CurrentScaling(), te.Float8CurrentScalingQuantizer),
+                        (MXFP8BlockScaling(), te.MXFP8Quantizer)):
+        for _ in range(2):
+            with te.autocast(recipe=recipe):
+                layer(x, [32, 32]).sum().backward()
+        q = layer.quantizers
+        assert len(q["scaling_fwd"]) == 6 and len(q["scaling_bwd"]) == 4
+        assert all(isinstance(one, cls) for one in q["scaling_fwd"] + q["scaling_bwd"])
+        if isinstance(recipe, DelayedScaling):  # bound to the module's scales: the weight slot of GEMM 2
+            assert q["scaling_fwd"][0].dtype == te.DType.kFloat8E4M3
+            assert q["scaling_bwd"][0].dtype == te.DType.kFloat8E5M2
+            scale = layer.fp8_meta["scaling_fwd"].scale[4].item()
+            assert q["scaling_fwd"][4].scale.item() == scale
+            w = layer.weight1.detach()
+            want, _ = ref.cast(w.numpy(), "e4m3", scale)
+            np.testing.assert_array_equal(q["scaling_fwd"][4](w)._data.numpy(), want)
+        if isinstance(recipe, Float8CurrentScaling):
+            want, _ = ref.current_cast(x.numpy(), "e4m3")
+            np.testing.assert_array_equal(q["scaling_fwd"][0](x)._data.numpy(), want)
+    with pytest.raises(TypeError):
+        layer.quantizers["scaling_fwd"] = ()

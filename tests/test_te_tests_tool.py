@@ -116,3 +116,23 @@ def test_sibling_imports_follow_plain_imports_transitively(tmp_path):
     (tmp_path / "c.py").write_text("x = 1\n")
     (tmp_path / "d.py").write_text("")
     assert sorted(p.name for p in tool.sibling_imports(tmp_path / "a.py")) == ["b.py", "c.py"]
+
+
+def test_a_timeout_wrapped_by_a_library_is_a_timeout(tmp_path):
+    # torch.compile reraises the per-case alarm that fires while it compiles as its own error (BackendCompilerFailed
+    # with the CaseTimeout as cause, InternalTorchDynamoError with its text): still a timeout, not a failure
+    te_root, work = _fake_te(tmp_path / "te"), tmp_path / "work"
+    work.mkdir()
+    tool.prepare(te_root, ["test_a.py"], work)
+    spec = importlib.util.spec_from_file_location("te_plugin_copy", work / "conftest.py")
+    plugin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(plugin)
+    alarm = plugin.CaseTimeout("case exceeded the per-case timeout")
+    try:
+        raise RuntimeError("backend='aot_eager' raised:") from alarm
+    except RuntimeError as err:
+        chained = err
+    assert plugin._is_timeout(alarm) and plugin._is_timeout(chained)
+    assert plugin._is_timeout(RuntimeError("CaseTimeout: case exceeded the per-case timeout"))
+    assert not plugin._is_timeout(RuntimeError("backend='aot_eager' raised: ValueError"))
+    assert not plugin._is_timeout(AssertionError("assert 1 == 2"))

@@ -353,6 +353,19 @@ def _out_of_scope(excinfo) -> str | None:
     return None
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    """The case's error is the per-case timeout, also when a library caught it and raised its own error from it
+    (torch.compile reports an alarm that fires while it compiles as BackendCompilerFailed / InternalTorchDynamoError,
+    with the CaseTimeout as its cause or in its message)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, CaseTimeout) or f"{CaseTimeout.__name__}: " in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__ or getattr(exc, "inner_exception", None)
+    return False
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
@@ -370,7 +383,7 @@ def pytest_runtest_makereport(item, call):
             report.outcome = "skipped"
             report.longrepr = (str(item.path), 0, f"{scope}: {line}")
         else:
-            timeout = call.excinfo.errisinstance(CaseTimeout)
+            timeout = _is_timeout(call.excinfo.value)
             kind = "timeout" if timeout else ("failed" if call.when == "call" else "error")
             record.update(outcome=kind, line=line, when=call.when)
     elif report.outcome == "skipped" and record["outcome"] == "passed":

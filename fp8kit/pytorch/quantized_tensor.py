@@ -196,7 +196,8 @@ class QuantizedTensor(torch.Tensor):
         return quantizer if quantizer is not None else self._build_default_quantizer()
 
     def _build_default_quantizer(self):
-        raise ValueError(f"{type(self).__name__} has no quantizer and no default quantizer")
+        raise ValueError(f"{type(self).__name__} has no quantizer and no default quantizer is available defined in "
+                         "the subclass.")  # Transformer Engine's words
 
     def float(self) -> torch.Tensor:
         return self.dequantize(dtype=torch.float32)

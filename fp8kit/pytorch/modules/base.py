@@ -21,6 +21,7 @@ from ..state import ScalingState, resized_history
 from ..state_entry import FIELDS as _FIELDS
 from ..state_entry import CheckpointEntryError, bad_fp8_entry
 from ..te_checkpoint import accept_extra_state, with_te_extra_state
+from .quantizer_lists import module_quantizers
 
 _PASSES = (("scaling_fwd", 3), ("scaling_bwd", 2))  # (name, slots per GEMM)
 STATE_CAPACITY = DelayedScaling.amax_history_len  # history rows allocated up front (the default recipe's length)
@@ -134,6 +135,13 @@ class FP8StateMixin:
         device = param.device if param is not None else torch.get_default_device()
         self._fp8_spare = {name: ScalingState(per_gemm * num_gemms, STATE_CAPACITY, device)
                            for name, per_gemm in _PASSES}
+
+    @property
+    def quantizers(self):
+        """Transformer Engine's `module.quantizers`: `{"scaling_fwd": (...), "scaling_bwd": (...)}`, the quantizers of
+        the last FP8 forward's recipe per slot (input, weight, output / grad_output, grad_input of each GEMM),
+        read-only (fp8kit.pytorch.modules.quantizer_lists)."""
+        return module_quantizers(self)
 
     def _new_state(self, name: str, length: int, device) -> ScalingState:
         """The module's allocated state for pass `name`, sized and placed as asked (a new one if it was taken)."""

@@ -114,10 +114,11 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
 def _weight_operand(plan: LinearPlan, rebuild, saved: tuple, inv_value):
     """The FP8 weight for dgrad: the forward's storage itself when it still holds the saved bytes (no saved-tensor
     hook replaced them), so that the CPU GEMM's widened values made in the forward serve again; else rebuilt from
-    `saved` (the tensors of its `saved_form`)."""
+    `saved` (the tensors of its `saved_form`). Traced by torch.compile it is always rebuilt: the identity of a
+    tensor saved inside the traced forward cannot be compared with one made outside it (an FP8 weight parameter)."""
     forward = plan.weight_fp8
     first = saved[0]
-    if forward is not None and (getattr(forward, "_data", None) is first
+    if forward is not None and not torch.compiler.is_compiling() and (getattr(forward, "_data", None) is first
                                 or getattr(forward, "fp8_view", lambda: None)() is first):  # uint8 bytes: a view
         return forward
     return rebuild(*saved, inv_value)

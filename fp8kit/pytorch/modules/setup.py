@@ -13,7 +13,7 @@ from ..compiled import compiling
 from ..distributed import TensorParallel, tensor_parallel
 from ..fp8_weights import check_quantized_weight, is_quantized_weight
 from ..recipe_families import FAMILIES
-from ..tensor.float8_tensor import Float8Tensor
+from ..tensor.float8_tensor import as_storage
 from ..tensor.storage import Float8TensorStorage
 from .base import FP8Call
 from .linear_function import LinearPlan
@@ -170,7 +170,7 @@ def gemm_plan(module, call: FP8Call, gemm: int, tp: Optional[TensorParallel], is
             call.reused_weight(gemm, cached)
     if is_quantized_weight(weight_param):  # a weight made by quantized_model_init: its bytes, no cast
         check_quantized_weight(module, weight_param, weight_q)
-        cached = weight_param.storage_view() if isinstance(weight_param, Float8Tensor) else weight_param
+        cached = as_storage(weight_param)
     plan = LinearPlan(input_q, weight_q, grad_q, call.fp8, call.calibrate, cached, call.step, call.track_backward, tp)
     FAMILIES[type(recipe)].configure_plan(plan, recipe, module, call)
     plan.save_original_input = module.save_original_input

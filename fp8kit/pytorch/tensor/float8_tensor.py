@@ -5,8 +5,10 @@ A Float8Tensor has the nominal dtype, shape and device of the values it stands f
 `torch.uint8` (Transformer Engine's layout) with `_fp8_dtype` naming the format, `_scale_inv` (float32 `[1]`) maps
 them back. Views, reshapes, transposes, `contiguous`, `clone`, `detach`, device moves
 (`to`, `cpu`, `cuda`), `chunk` / `split` and `cat` (of tensors with one scale) stay FP8, since moving bytes is exact;
-`copy_` into a Float8Tensor quantizes with its quantizer (or its scale); every other operation dequantizes to the
-nominal dtype and runs in high precision, and an in-place one quantizes its result back. `torch.save` /
+`copy_` into a Float8Tensor quantizes with its quantizer; every other operation dequantizes to the nominal dtype and
+runs in high precision, and an in-place one quantizes its result back. A Float8Tensor made without a quantizer (and
+one read back by `torch.load`, which keeps none, as in Transformer Engine) cannot be written from high-precision values:
+`quantize_`, `copy_` and in-place operations raise Transformer Engine's ValueError. `torch.save` /
 `torch.load(weights_only=True)`, deepcopy, `torch.testing.assert_close` (on dequantized values) and autograd work.
 """
 
@@ -78,18 +80,14 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         return Float8TensorStorage.dequantize_impl(self, dtype)
 
     def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None) -> "Float8Tensor":
-        """Quantize `tensor` into this tensor (its bytes and scale_inv), with its quantizer, or else with the scale
-        `float32(1 / scale_inv)`. `noop_flag` (float32, one element): when it holds a nonzero value nothing changes
-        (neither the bytes, the scale nor the quantizer's amax), as in Transformer Engine."""
+        """Quantize `tensor` into this tensor (its bytes and scale_inv) with its quantizer (a tensor made without one
+        raises ValueError, as in Transformer Engine: there is no default quantizer). `noop_flag` (float32, one
+        element): when it holds a nonzero value nothing changes (neither the bytes, the scale nor the quantizer's
+        amax), as in Transformer Engine."""
         if isinstance(tensor, QuantizedTensor):
             tensor = tensor.dequantize_impl(tensor.dtype)
         self._get_quantizer().update_quantized(tensor.detach(), self, noop_flag=noop_flag)
         return self
-
-    def _build_default_quantizer(self) -> "Float8Quantizer":
-        """Without a quantizer of its own, the delayed-scaling one of the tensor's scale, `float32(1 / scale_inv)`."""
-        return Float8Quantizer(torch.reciprocal(self.scale_inv.detach()), torch.zeros(1, device=self.device),
-                               self._fp8_dtype)
 
     def update_quantizer(self, quantizer: Quantizer) -> None:
         """Use `quantizer` for later in-place updates; replacing a different quantizer warns, as in Transformer
@@ -102,9 +100,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
 
     def storage_view(self) -> Float8TensorStorage:
         """The same bytes as a plain storage (what the GEMMs take)."""
-        return Float8TensorStorage(data=self._data, fp8_scale_inv=self.scale_inv, fp8_dtype=self._fp8_dtype,
-                                   fake_dtype=self.dtype, data_transpose=None if self._transpose_invalid
-                                   else self._transpose, quantizer=self._quantizer)
+        return as_storage(self)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         head = f"Float8Tensor(fp8_dtype={self._fp8_dtype.name}, shape={tuple(self.shape)}, dtype={self.dtype}"
@@ -411,5 +407,9 @@ class Float8CurrentScalingQuantizer(_PerTensorQuantizer):
 
 
 def as_storage(t: Union[Float8TensorStorage, torch.Tensor]) -> Float8TensorStorage:
-    """A Float8Tensor's bytes as a plain storage for the GEMMs (storages pass through)."""
-    return t.storage_view() if isinstance(t, Float8Tensor) else t
+    """A Float8Tensor's bytes as a plain storage for the GEMMs (storages pass through). A function, not a method:
+    torch.compile traces a method call on a tensor subclass as a tensor operation, which must return a tensor."""
+    if not isinstance(t, Float8Tensor):
+        return t
+    return Float8TensorStorage(data=t._data, fp8_scale_inv=t.scale_inv, fp8_dtype=t._fp8_dtype, fake_dtype=t.dtype,
+                               data_transpose=None if t._transpose_invalid else t._transpose, quantizer=t._quantizer)

@@ -134,8 +134,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
 
     def fp8_view(self) -> torch.Tensor:
         """`_data` read as its FP8 format (a view, no copy; the same view object while `_data` and the format stay,
-        so that a saved operand can be recognised by identity)."""
+        so that a saved operand can be recognised by identity). Traced by torch.compile the view is not kept: a
+        storage made outside an autograd Function (an FP8 weight's) must not hold a view made inside it."""
         data, fmt = self._data, self._fp8_dtype
+        if torch.compiler.is_compiling():
+            return None if data is None else data.view(_TORCH_OF[fmt])
         memo = getattr(self, "_fp8_view_memo", None)
         if memo is None or memo[0] is not data or memo[1] is not fmt:
             memo = self._fp8_view_memo = (data, fmt, None if data is None else data.view(_TORCH_OF[fmt]))
