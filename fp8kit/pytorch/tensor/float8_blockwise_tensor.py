@@ -50,6 +50,12 @@ def _zero_padded(s: torch.Tensor, shape: Tuple[int, int]) -> torch.Tensor:
     return out
 
 
+def _columnwise_2d(shape) -> Tuple[int, int]:
+    """(K, M) of columnwise data of `shape` (K, *M dims); a 0-d tensor's is (1, 1)."""
+    shape = tuple(shape)
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
 def _columnwise_shape(shape) -> Tuple[int, ...]:
     shape = tuple(shape)
     return (shape[-1],) + shape[:-1] if shape else ()
@@ -96,7 +102,7 @@ class Float8BlockwiseQTensorStorage(BlockScaledStorage):
         """`float32(fp8) * scale_inv` per block from the rowwise data (else the columnwise, transposed back)."""
         columnwise = self._rowwise_data is None
         data = self._columnwise_data if columnwise else self._rowwise_data
-        rows, cols = _flat2d(data.shape) if not columnwise else (data.shape[0], data.numel() // max(data.shape[0], 1))
+        rows, cols = _flat2d(data.shape) if not columnwise else _columnwise_2d(data.shape)
         values = data.reshape(rows, cols).view(self.fp8_dtype).float()
         scale = self.block_scale_inv(columnwise).repeat_interleave(B, dim=1)[:, :cols]
         values = values * scale
@@ -256,7 +262,7 @@ class Float8BlockQuantizer(BlockQuantizer):
     _storage_class = Float8BlockwiseQTensorStorage
 
     def _shape_error(self, x: torch.Tensor) -> Optional[str]:
-        return "cannot quantize a 0-d tensor" if x.dim() == 0 else None
+        return None  # any shape, a 0-d tensor as (1, 1) (as Transformer Engine)
 
     def copy(self) -> "Float8BlockQuantizer":
         out = Float8BlockQuantizer(self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,
