@@ -11,6 +11,8 @@ bf16's memory.
   tensor (MXFP8Tensor, Float8BlockwiseQTensor, NVFP4Tensor) quantized by the recipe's weight quantizer with both
   layouts (rowwise for fprop, columnwise for dgrad; `recipe_families.RecipeFamily.weight_quantizer`); the GEMMs read
   its bytes and scales as they are, and an optimizer step quantizes the new value into it (`param.quantize_(master)`).
+- Created under `torch.no_grad()` (inference), a weight's quantizer leaves the columnwise layout out, as Transformer
+  Engine's (block formats then hold the rowwise layout only; a dgrad names the missing layout).
 """
 
 from __future__ import annotations
