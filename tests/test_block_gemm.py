@@ -122,8 +122,16 @@ def test_errors():
     fb = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=False)(x)
     with pytest.raises(TypeError, match="different block formats"):
         block_gemm(mx, fb)
-    with pytest.raises(ValueError, match="no columnwise data"):
-        block_gemm(fb, fb, transpose_b=True)
+    fb1 = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=False, block_scaling_dim=1)(x)
+    with pytest.raises(ValueError, match="no columnwise data"):  # 1x128 blocks: the other layout's differ
+        block_gemm(fb1, fb1, transpose_b=True)
+    # 128x128 blocks: the columnwise layout is made from the rowwise one (as Transformer Engine does), the bytes of
+    # quantizing with both layouts
+    both = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True)(x)
+    assert torch.equal(block_gemm(fb, fb, transpose_a=True, transpose_b=True),
+                       block_gemm(both, both, transpose_a=True, transpose_b=True))
+    assert torch.equal(fb._columnwise_data, both._columnwise_data)
+    assert torch.equal(fb._columnwise_scale_inv, both._columnwise_scale_inv)
     with pytest.raises(ValueError, match="contraction dims differ"):
         block_gemm(mx, mx, transpose_b=True)
     with pytest.raises(TypeError, match="MXFP8 or Float8 block"):

@@ -145,8 +145,20 @@ def test_bad_arguments():
         Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, amax_epsilon=-1.0)
     with pytest.raises(TypeError, match="rowwise"):
         Float8BlockQuantizer(torch.float8_e4m3fn)  # TE makes both usages required keywords
-    with pytest.raises(ValueError, match="0-d"):
-        Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True)(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("dim", [1, 2])
+def test_a_0d_tensor_is_one_block(dim):
+    """A 0-d tensor quantizes as the (1, 1) tensor (Transformer Engine accepts it), both layouts 0-d."""
+    x = torch.tensor(-0.3, dtype=torch.bfloat16)
+    q = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=dim)(x)
+    assert q.shape == () and q._rowwise_data.shape == () and q._columnwise_data.shape == ()
+    b, s = ref.float8_block_quantize(to_np32(x.reshape(1, 1)), "e4m3", (1, 128) if dim == 1 else (128, 128))
+    assert q._rowwise_data.item() == b[0, 0] and q._columnwise_data.item() == b[0, 0]
+    want = np.float32(ref.fp8_values(b, "e4m3")[0, 0] * s[0, 0])
+    assert q.dequantize(dtype=torch.float32).item() == want
+    q.update_usage(rowwise_usage=False)
+    assert q.dequantize(dtype=torch.float32).shape == () and q.dequantize(dtype=torch.float32).item() == want
 
 
 def test_tensor_behaviour():

@@ -19,6 +19,7 @@ Accumulation order (written down in docs/numerics.md):
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -41,13 +42,19 @@ class BlockOperand(NamedTuple):
     one_d: bool
 
 
+_NO_COLUMNWISE = (" (the transpose a dgrad GEMM reads; a weight made by quantized_model_init under torch.no_grad() "
+                  "holds only the rowwise layout, for inference, as in Transformer Engine: create the model with "
+                  "grad enabled to train it)")
+
+
 def block_operand(t, transpose: bool = False) -> BlockOperand:
     """The operand view of a block-scaled storage: the tensor flattened to (M, K) from its rowwise layout, or its
     transpose (K, M) from its columnwise layout (`transpose=True`)."""
     if isinstance(t, MXFP8TensorStorage):
         data = t._columnwise_data if transpose else t._rowwise_data
         if data is None:
-            raise ValueError(f"block_gemm: the MXFP8 operand has no {'columnwise' if transpose else 'rowwise'} data")
+            raise ValueError(f"block_gemm: the MXFP8 operand has no {'columnwise' if transpose else 'rowwise'} data"
+                             + (_NO_COLUMNWISE if transpose else ""))
         m = data.numel() // data.shape[-1]
         values = data.reshape(m, data.shape[-1]).view(t.fp8_dtype).float()
         scales = bc.e8m0_decode(t.block_scales(transpose))
@@ -55,12 +62,16 @@ def block_operand(t, transpose: bool = False) -> BlockOperand:
             values, scales = values.t(), scales.t()
         return BlockOperand(values, scales, bc.MXFP8_BLOCK, True)
     if isinstance(t, Float8BlockwiseQTensorStorage):
+        if transpose and t._columnwise_data is None and t._is_2D_scaled and t._rowwise_data is not None:
+            t.update_usage(columnwise_usage=True)  # 128x128 blocks: made from the rowwise layout, as in TE
         data = t._columnwise_data if transpose else t._rowwise_data
         if data is None:
             raise ValueError(f"block_gemm: the Float8 block operand has no {'columnwise' if transpose else 'rowwise'}"
-                             f" data")
-        rows = data.shape[0] if transpose else data.numel() // data.shape[-1]
-        values = data.reshape(rows, data.numel() // max(rows, 1)).view(t.fp8_dtype).float()
+                             f" data" + (_NO_COLUMNWISE if transpose else ""))
+        # columnwise data is (K, *M), rowwise (*M, K); either may be empty (zero tokens)
+        rows, cols = (data.shape[0], math.prod(data.shape[1:])) if transpose \
+            else (math.prod(data.shape[:-1]), data.shape[-1])
+        values = data.reshape(rows, cols).view(t.fp8_dtype).float()
         return BlockOperand(values, t.block_scale_inv(transpose).float(), bc.FLOAT8_BLOCK, not t._is_2D_scaled)
     raise TypeError(f"block_gemm: expected an MXFP8 or Float8 block-scaled tensor, got {type(t).__name__}")
 
@@ -131,7 +142,7 @@ def _fast_is_exact(A: BlockOperand, B: BlockOperand) -> bool:
     normal range: a non-zero partial sum of FP8 products is at least 2^-32 in magnitude (E5M2's smallest subnormal
     squared) and at most 128 * 57344^2 < 2^39. Read on the host (CPU only)."""
     scales = torch.cat([A.scales.reshape(-1), B.scales.reshape(-1)])
-    if scales.numel() == 0:
+    if A.scales.numel() == 0 or B.scales.numel() == 0:  # no products (an empty operand)
         return True
     pow2 = (scales.view(torch.int32) & 0x807FFFFF) == 0
     lo = A.scales.amin(0) * B.scales.amin(0)

@@ -11,6 +11,8 @@ bf16's memory.
   tensor (MXFP8Tensor, Float8BlockwiseQTensor, NVFP4Tensor) quantized by the recipe's weight quantizer with both
   layouts (rowwise for fprop, columnwise for dgrad; `recipe_families.RecipeFamily.weight_quantizer`); the GEMMs read
   its bytes and scales as they are, and an optimizer step quantizes the new value into it (`param.quantize_(master)`).
+- Created under `torch.no_grad()` (inference), a weight's quantizer leaves the columnwise layout out, as Transformer
+  Engine's (block formats then hold the rowwise layout only; a dgrad names the missing layout).
 """
 
 from __future__ import annotations
@@ -123,6 +125,8 @@ def quantize_weight_parameter(module, name: str, gemm: int, settings: _Settings)
     Float8Tensor under per-tensor recipes, the block family's tensor under block-scaling ones."""
     param = getattr(module, name)
     quantizer = _weight_quantizer(module, gemm, settings.recipe, param.device)
+    # Transformer Engine's rule: created without grad (inference), the weight holds no columnwise layout
+    quantizer.set_usage(rowwise=True, columnwise=torch.is_grad_enabled())
     problem = quantizer._shape_error(param) if hasattr(quantizer, "_shape_error") else None
     if problem:
         raise ValueError(f"quantized_model_init: the weight {name!r} of {type(module).__name__} cannot be quantized "
@@ -217,8 +221,8 @@ def check_quantized_weight(module, weight, weight_q) -> None:
             problem = f"is a {type(weight).__name__}, the recipe's weights are per-tensor Float8Tensors"
     elif not isinstance(weight, want._storage_class):
         problem = f"is a {type(weight).__name__}, the recipe's weights are {want._storage_class.__name__}s"
-    elif not all(weight.get_usages().values()):
-        problem = f"lacks a layout (usages {weight.get_usages()}); fprop and dgrad read both"
+    elif not weight.get_usages()["rowwise"]:
+        problem = f"lacks the rowwise layout (usages {weight.get_usages()}) that fprop reads"
     elif weight._quantizer is not None:
         for attr in ("block_scaling_dim", "with_2d_quantization", "with_rht", "amax_epsilon", "force_pow_2_scales"):
             if getattr(weight._quantizer, attr, None) != getattr(want, attr, None):

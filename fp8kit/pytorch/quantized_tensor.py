@@ -215,6 +215,16 @@ class QuantizedTensor(torch.Tensor):
         return run_dequantized(func, args, kwargs or {})
 
 
+def set_wrapper_metadata(t: torch.Tensor, size, stride, dtype: torch.dtype, device) -> None:
+    """Give the wrapper subclass `t` another size, strides, nominal dtype or device, in place (what `x.data = y`
+    changes when `y` differs); `t` keeps its Python attributes and its `requires_grad`."""
+    if (tuple(t.size()), tuple(t.stride()), t.dtype, t.device) == (tuple(size), tuple(stride), dtype, device):
+        return
+    shell = torch.Tensor._make_wrapper_subclass(type(t), tuple(size), strides=tuple(stride), dtype=dtype,
+                                                layout=torch.strided, device=device)
+    torch.Tensor.data.__set__(t, shell)
+
+
 def dispatch_through(handlers: dict, func, args, kwargs):
     """A quantized tensor's `__torch_dispatch__`: the handler `handlers` has for `func` (one that keeps the data
     quantized; it may return NotImplemented), else `func` on the dequantized values."""

@@ -11,7 +11,8 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, dispatch_through
+from ..quantized_tensor import (QuantizedTensor, QuantizedTensorStorage, Quantizer, dispatch_through,
+                                set_wrapper_metadata)
 from .float8_tensor import _check as high_precision_input
 
 __all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "BlockQuantizer", "TransposedBlockOperand", "FIELDS"]
@@ -321,6 +322,40 @@ class BlockScaledTensorMixin:
 
     def _rebuild(self, fields: Dict[str, Optional[torch.Tensor]]):
         return self._make(fields, self._fp8_dtype, self.dtype, self._flag, self._quantizer)
+
+    # ---- `x.data`: reading gives a detached alias; assigning a tensor of the same class takes its fields,
+    # assigning any other tensor quantizes it with this tensor's quantizer (Transformer Engine's rule) ----
+
+    # the attributes `x.data = y` takes from the quantized `y`: the fields, the format, the quantizer, the flags
+    _DATA_STATE: Tuple[str, ...] = FIELDS + ("_fp8_dtype", "_quantizer")
+    # Float8BlockwiseQTensor keeps its shape and nominal dtype (TE refuses another shape, quantizes in place); the
+    # others take the new value's (TE re-wraps them)
+    _data_keeps_shape = False
+
+    def _get_data(self):
+        return super().data
+
+    @torch.no_grad()
+    def _set_data(self, tensor: torch.Tensor) -> None:
+        name = type(self).__name__
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}.data must be set to a tensor, got {type(tensor).__name__}")
+        if self._data_keeps_shape and tuple(tensor.shape) != tuple(self.shape):
+            raise ValueError(f"{name}.data: cannot set a tensor of shape {tuple(tensor.shape)} into one of shape "
+                             f"{tuple(self.shape)} (the shape is fixed, as in Transformer Engine)")
+        src = tensor
+        if not isinstance(tensor, type(self)):
+            quantizer = self._get_quantizer().copy()
+            quantizer.internal = False
+            src = quantizer.quantize(tensor)
+        dtype = self.dtype if self._data_keeps_shape else src.dtype
+        set_wrapper_metadata(self, src.size(), src.stride(), dtype, src.device)
+        for attr in self._DATA_STATE:
+            value = getattr(src, attr)
+            setattr(self, attr, value.copy() if attr == "_quantizer" and value is not None else value)
+        self._dtype = dtype
+
+    data = property(_get_data, _set_data)
 
     def quantize_(self, tensor: torch.Tensor, *, noop_flag: Optional[torch.Tensor] = None):
         """Quantize `tensor` into this tensor's fields, in place, with its quantizer."""

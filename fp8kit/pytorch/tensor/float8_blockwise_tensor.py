@@ -50,6 +50,12 @@ def _zero_padded(s: torch.Tensor, shape: Tuple[int, int]) -> torch.Tensor:
     return out
 
 
+def _columnwise_2d(shape) -> Tuple[int, int]:
+    """(K, M) of columnwise data of `shape` (K, *M dims); a 0-d tensor's is (1, 1)."""
+    shape = tuple(shape)
+    return (shape[0], math.prod(shape[1:])) if shape else (1, 1)
+
+
 def _columnwise_shape(shape) -> Tuple[int, ...]:
     shape = tuple(shape)
     return (shape[-1],) + shape[:-1] if shape else ()
@@ -96,7 +102,7 @@ class Float8BlockwiseQTensorStorage(BlockScaledStorage):
         """`float32(fp8) * scale_inv` per block from the rowwise data (else the columnwise, transposed back)."""
         columnwise = self._rowwise_data is None
         data = self._columnwise_data if columnwise else self._rowwise_data
-        rows, cols = _flat2d(data.shape) if not columnwise else (data.shape[0], data.numel() // max(data.shape[0], 1))
+        rows, cols = _flat2d(data.shape) if not columnwise else _columnwise_2d(data.shape)
         values = data.reshape(rows, cols).view(self.fp8_dtype).float()
         scale = self.block_scale_inv(columnwise).repeat_interleave(B, dim=1)[:, :cols]
         values = values * scale
@@ -112,6 +118,79 @@ class Float8BlockwiseQTensorStorage(BlockScaledStorage):
     def _metadata(self) -> dict:
         return dict(fp8_dtype=self._fp8_dtype, quantizer=self._quantizer, is_2D_scaled=self._is_2D_scaled,
                     fake_dtype=self._dtype)
+
+    # ---- Transformer Engine's FSDP2 buffer protocol (what a dim-0 all-gather sends and how it is put back) ----
+
+    def fsdp_buffer_fields(self) -> Tuple[str, ...]:
+        """The fields an FSDP2 all-gather sends (128x128 blocks only: 1x128 scales hold M along dim 1)."""
+        if not self._is_2D_scaled:
+            raise NotImplementedError("Float8BlockwiseQTensor: FSDP2 all-gather needs 2D block scaling "
+                                      "(block_scaling_dim=2); 1D scales hold M along dim 1, not dim 0")
+        return tuple(f"_{n}_{f}" for n in ("rowwise", "columnwise") if getattr(self, f"_{n}_data") is not None
+                     for f in ("data", "scale_inv"))
+
+    def fsdp_extract_buffers(self) -> Tuple[Tuple[torch.Tensor, torch.Tensor], dict]:
+        """(data, scale_inv) with M along dim 0 and no scale padding, from the rowwise layout (else the columnwise
+        one, transposed back), and the metadata `fsdp_assign_gathered` reads."""
+        names = self.fsdp_buffer_fields()
+        shape = tuple(self._logical_shape())
+        m, k = _flat2d(shape)
+        if m % B:
+            raise RuntimeError(f"Float8BlockwiseQTensor: FSDP2 cannot all-gather a shard whose flattened M ({m}) is "
+                               f"not a multiple of {B}: the shard boundary would split a 128x128 block")
+        mb, kb = bc.ceil_div(m, B), bc.ceil_div(k, B)
+        if self._rowwise_data is not None:
+            return (self._rowwise_data, self._rowwise_scale_inv[:, :kb].contiguous()), \
+                dict(direction="rowwise", field_names=names)
+        data = self._columnwise_data.reshape(k, m).t().contiguous().reshape(shape)
+        scale = self._columnwise_scale_inv.t()[:mb].contiguous()
+        return (data, scale), dict(direction="columnwise", field_names=names)
+
+    def fsdp_assign_gathered(self, gathered, meta: dict) -> None:
+        """Put gathered (data, scale_inv) (M along dim 0, scales unpadded) back into the layout `meta` names,
+        re-padding the scales; a scale whose shape does not tile the data is refused (RuntimeError), the fields
+        unchanged."""
+        direction = meta.get("direction")
+        if direction not in ("rowwise", "columnwise"):
+            raise RuntimeError(f"Float8BlockwiseQTensor.fsdp_assign_gathered: direction must be 'rowwise' or "
+                               f"'columnwise', got {direction!r}")
+        data, scale = gathered
+        if data is None or scale is None:
+            raise RuntimeError("Float8BlockwiseQTensor.fsdp_assign_gathered: needs both the data and the scale")
+        shape = tuple(data.shape)
+        m, k = _flat2d(shape)
+        mb, kb = bc.ceil_div(m, B), bc.ceil_div(k, B)
+        if tuple(scale.shape) != (mb, kb):
+            raise RuntimeError(f"Float8BlockwiseQTensor.fsdp_assign_gathered: the gathered scale geometry does not "
+                               f"match the gathered data: scale shape {tuple(scale.shape)}, expected {(mb, kb)} "
+                               f"for data of shape {shape}")
+        if direction == "rowwise":
+            self._rowwise_data = data
+            self._rowwise_scale_inv = _zero_padded(scale, block_scale_shape(shape, False, 2))
+            return
+        self._columnwise_data = data.reshape(m, k).t().contiguous().reshape(_columnwise_shape(shape))
+        self._columnwise_scale_inv = _zero_padded(scale.t(), block_scale_shape(shape, True, 2))
+
+    def _create_columnwise(self) -> None:
+        """The columnwise layout from the rowwise one (128x128 blocks: the transpose's blocks and scales are the
+        same, so the bytes are those of quantizing the high-precision value), as Transformer Engine does."""
+        if not self._is_2D_scaled or self._rowwise_data is None:
+            raise RuntimeError("Float8BlockwiseQTensor: the columnwise layout can be made from the rowwise one only "
+                               "with 2D block scaling (1x128 blocks differ between the layouts)")
+        shape = tuple(self._logical_shape())
+        m, k = _flat2d(shape)
+        mb, kb = bc.ceil_div(m, B), bc.ceil_div(k, B)
+        self._columnwise_data = self._rowwise_data.reshape(m, k).t().contiguous().reshape(_columnwise_shape(shape))
+        self._columnwise_scale_inv = _zero_padded(self._rowwise_scale_inv[:mb, :kb].t(),
+                                                  block_scale_shape(shape, True, 2))
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None) -> None:
+        """As the other block layouts; with 128x128 blocks a missing columnwise layout asked for is made from the
+        rowwise one (`_create_columnwise`)."""
+        if columnwise_usage and self._columnwise_data is None and self._is_2D_scaled \
+                and self._rowwise_data is not None:
+            self._create_columnwise()
+        super().update_usage(rowwise_usage, columnwise_usage)
 
     def __repr__(self) -> str:
         return (f"Float8BlockwiseQTensorStorage(shape={tuple(self._logical_shape())}, "
@@ -144,6 +223,9 @@ class Float8BlockwiseQTensor(BlockScaledTensorMixin, Float8BlockwiseQTensorStora
     @classmethod
     def _make(cls, fields, fp8_dtype, dtype, flag, quantizer):
         return cls(dtype=dtype, fp8_dtype=fp8_dtype, quantizer=quantizer, is_2D_scaled=flag, **fields)
+
+    _DATA_STATE = BlockScaledTensorMixin._DATA_STATE + ("_is_2D_scaled",)
+    _data_keeps_shape = True
 
     def _default_quantizer(self):
         return Float8BlockQuantizer(self._fp8_dtype, rowwise=self._rowwise_data is not None,
@@ -180,7 +262,7 @@ class Float8BlockQuantizer(BlockQuantizer):
     _storage_class = Float8BlockwiseQTensorStorage
 
     def _shape_error(self, x: torch.Tensor) -> Optional[str]:
-        return "cannot quantize a 0-d tensor" if x.dim() == 0 else None
+        return None  # any shape, a 0-d tensor as (1, 1) (as Transformer Engine)
 
     def copy(self) -> "Float8BlockQuantizer":
         out = Float8BlockQuantizer(self.dtype, rowwise=self.rowwise_usage, columnwise=self.columnwise_usage,

@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import is_fake
 from .. import cast as casts
 from .. import host
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import QuantizedTensor, Quantizer, dispatch_through
+from ..quantized_tensor import QuantizedTensor, Quantizer, dispatch_through, set_wrapper_metadata
 from .storage import Float8TensorStorage
 
 __all__ = ["Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "make_float8_tensor", "wrap"]
@@ -122,11 +122,7 @@ class Float8Tensor(Float8TensorStorage, QuantizedTensor):
         if not isinstance(tensor, Float8Tensor):
             quantizer = self._get_quantizer()
             src = wrap(quantizer._cast(_check(tensor, "Float8Tensor.data")), quantizer)
-        if (self.size(), self.stride(), self.dtype, self.device) != (src.size(), src.stride(), src.dtype, src.device):
-            shell = torch.Tensor._make_wrapper_subclass(
-                type(self), src.size(), strides=src.stride(), dtype=src.dtype, layout=torch.strided,
-                requires_grad=tensor.requires_grad, device=src.device)
-            torch.Tensor.data.__set__(self, shell)
+        set_wrapper_metadata(self, src.size(), src.stride(), src.dtype, src.device)
         self._data, self._scale_inv, self._fp8_dtype = src._data, src._scale_inv, src._fp8_dtype
         self._transpose, self._transpose_invalid = src._transpose, src._transpose_invalid
         self._quantizer = src._quantizer.copy() if src._quantizer is not None and src is tensor else src._quantizer

@@ -17,7 +17,7 @@ import torch
 
 from .. import block_cast as bc
 from ..quantized_tensor import QuantizedTensor
-from .block_storage import BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin
+from .block_storage import FIELDS, BlockQuantizer, BlockScaledStorage, BlockScaledTensorMixin
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage", "mxfp8_scale_shape"]
 
@@ -95,6 +95,38 @@ class MXFP8TensorStorage(BlockScaledStorage):
     def _metadata(self) -> dict:
         return dict(fp8_dtype=self._fp8_dtype, quantizer=self._quantizer, fake_dtype=self._dtype)
 
+    # ---- Transformer Engine's FSDP2 buffer protocol (what a dim-0 all-gather sends and how it is put back) ----
+
+    def fsdp_buffer_fields(self) -> Tuple[str, ...]:
+        """The fields an FSDP2 all-gather sends: each layout present, its data and its scales."""
+        return tuple(f"_{n}_{f}" for n in ("rowwise", "columnwise") if getattr(self, f"_{n}_data") is not None
+                     for f in ("data", "scale_inv"))
+
+    def fsdp_extract_buffers(self) -> Tuple[Tuple[torch.Tensor, ...], dict]:
+        """Those fields with the scales' dim-0 padding stripped (M rows rowwise, M / 32 columnwise), so that shards
+        concatenate along dim 0, and the metadata `fsdp_assign_gathered` reads."""
+        names = self.fsdp_buffer_fields()
+        m, _ = _flat2d(self._logical_shape())
+        rows = {"_rowwise_scale_inv": m, "_columnwise_scale_inv": m // bc.MXFP8_BLOCK}
+        buffers = tuple(getattr(self, n)[:rows[n]] if n in rows else getattr(self, n) for n in names)
+        return buffers, {"field_names": names}
+
+    def fsdp_assign_gathered(self, gathered, meta: dict) -> None:
+        """Put gathered buffers into the fields `meta` names, the scales' dim 0 padded again (to a multiple of 128
+        rowwise, of 4 columnwise)."""
+        names = meta["field_names"]
+        if len(names) != len(gathered):
+            raise RuntimeError(f"MXFP8TensorStorage.fsdp_assign_gathered: {len(gathered)} buffers for {len(names)} "
+                               f"fields {names}")
+        pad_to = {"_rowwise_scale_inv": 128, "_columnwise_scale_inv": 4}
+        for name, buf in zip(names, gathered):
+            if name not in FIELDS:
+                raise RuntimeError(f"MXFP8TensorStorage.fsdp_assign_gathered: {name!r} is not an MXFP8 field")
+            if buf is not None and name in pad_to:
+                rows = bc.round_up(buf.shape[0], pad_to[name])
+                buf = torch.cat([buf, buf.new_zeros((rows - buf.shape[0],) + tuple(buf.shape[1:]))])
+            setattr(self, name, buf)
+
     def __repr__(self) -> str:
         return (f"MXFP8TensorStorage(shape={tuple(self._logical_shape())}, fp8_dtype={self._fp8_dtype.name}, "
                 f"usages={self.get_usages()}, dtype={self._dtype})")
@@ -127,6 +159,8 @@ class MXFP8Tensor(BlockScaledTensorMixin, MXFP8TensorStorage, QuantizedTensor):
     @classmethod
     def _make(cls, fields, fp8_dtype, dtype, flag, quantizer):
         return cls(dtype=dtype, fp8_dtype=fp8_dtype, quantizer=quantizer, **fields)
+
+    _DATA_STATE = BlockScaledTensorMixin._DATA_STATE + ("_with_gemm_swizzled_scales",)
 
     def _default_quantizer(self):
         return MXFP8Quantizer(self._fp8_dtype, rowwise=self._rowwise_data is not None,

@@ -231,6 +231,9 @@ class NVFP4Tensor(BlockScaledTensorMixin, NVFP4TensorStorage, QuantizedTensor):
         """(`flag`: row-scaled.)"""
         return cls(shape, dtype=dtype, quantizer=quantizer, row_scaled_nvfp4=bool(flag), **fields)
 
+    _DATA_STATE = NVFP4_FIELDS + ("_fp4_dtype", "_fp8_dtype", "_quantizer", "_with_gemm_swizzled_scales",
+                                  "_nvfp4_shape")
+
     def _rebuild(self, fields):
         """The same tensor with new fields (a view's: the shape follows the rowwise data when there is some)."""
         shape = None if fields.get("rowwise_data") is not None else tuple(self.shape)
