@@ -140,6 +140,6 @@ def block_gemm(a: BlockOperand, b: BlockOperand, spec_a: BlockSpec, spec_b: Bloc
         p, t1, t2 = block
         return y + mul_scale_inv(mul_scale_inv(p, t1), t2), None
 
-    y0 = jnp.zeros(partials.shape[1:], F32)
+    y0 = jnp.zeros_like(partials[0])  # zeros_like: inside shard_map the carry varies over the partials' mesh axes
     y, _ = lax.scan(step, y0, (partials, s1, s2))
     return y

@@ -203,7 +203,7 @@ def dense(
 def _fp8_dense(recipe, x2, k2, b2, x_dtype, kernel_dtype, quantizer_set) -> jax.Array:
     kind = block_kind(recipe)
     if kind == "nvfp4":  # current per-block scales; a PRNG key for stochastic rounding
-        cfg = nvfp4_config(recipe, x_dtype, kernel_dtype, None if b2 is None else b2.dtype)
+        cfg = nvfp4_config(recipe, x_dtype, kernel_dtype, None if b2 is None else b2.dtype, amax_axes(x2))
         return nvfp4_dense(cfg, x2, k2, b2, _sr_key(quantizer_set))
     if kind is not None:  # current per-block scales: no state
         if quantizer_set is not None:

@@ -149,12 +149,13 @@ def e2m1_decode(codes: jax.Array) -> jax.Array:
     return table[codes.astype(jnp.int32)]
 
 
-def nvfp4_cast(x: jax.Array, two_d: bool = False, rand: Optional[jax.Array] = None
+def nvfp4_cast(x: jax.Array, two_d: bool = False, rand: Optional[jax.Array] = None, axis_names: Tuple[str, ...] = ()
                ) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """NVFP4 of the 2-D `x` (M, K), M and K multiples of 16: 1x16 blocks along K, or 16x16 blocks (`two_d`), with
     x's own amax (NaN ignored). Returns (packed uint8 (M, K / 2), E4M3 scale bytes uint8 (M, K / 16), a 16x16
     block's scale repeated on its 16 rows; float32 amax scalar). `rand`: uniform [0, 1) draws of x's shape for
-    stochastic rounding (None: round to nearest even)."""
+    stochastic rounding (None: round to nearest even). `axis_names`: mesh axes bound by an enclosing `shard_map`
+    over which the tensor amax is all-reduced (MAX), so that a shard of x gets the whole tensor's global scale."""
     m, k = x.shape
     if m % NVFP4_BLOCK or k % NVFP4_BLOCK:
         raise ValueError(f"NVFP4 needs dims divisible by {NVFP4_BLOCK}: got shape ({m}, {k})")
@@ -162,7 +163,10 @@ def nvfp4_cast(x: jax.Array, two_d: bool = False, rand: Optional[jax.Array] = No
         amax_blocks = block_amax(x.reshape(m // NVFP4_BLOCK, NVFP4_BLOCK, k // NVFP4_BLOCK, NVFP4_BLOCK), (1, 3))
     else:
         amax_blocks = block_amax(x.reshape(m, k // NVFP4_BLOCK, NVFP4_BLOCK), (2,))
-    amax = _float(jnp.max(_bits(amax_blocks))) if amax_blocks.size else jnp.float32(0)
+    amax_bits = jnp.max(_bits(amax_blocks)) if amax_blocks.size else jnp.uint32(0)
+    for name in axis_names:  # on the bit patterns: non-negative floats order as their bits, subnormals included
+        amax_bits = lax.pmax(amax_bits, name)
+    amax = _float(amax_bits)
     if two_d:
         amax_blocks = jnp.repeat(amax_blocks, NVFP4_BLOCK, axis=0)
     scale_bytes, factor = block_scales(amax_blocks, global_encode_scale(amax))

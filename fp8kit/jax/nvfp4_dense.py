@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,7 @@ class NVFP4DenseConfig:
     x_dtype: Any
     kernel_dtype: Any
     bias_dtype: Any  # None without bias
+    axis_names: Tuple[str, ...] = ()  # inside shard_map: the mesh axes the per-tensor amaxes are all-reduced over
 
     @property
     def needs_key(self) -> bool:
@@ -56,21 +57,32 @@ def _spec(q) -> NVFP4Spec:
     return NVFP4Spec(bool(q.random_hadamard_transform), bool(q.fp4_2d_quantization), bool(q.stochastic_rounding))
 
 
-def _config(recipe: Any, x_dtype=None, kernel_dtype=None, bias_dtype=None) -> NVFP4DenseConfig:
+def _config(recipe: Any, x_dtype=None, kernel_dtype=None, bias_dtype=None, axis_names=()) -> NVFP4DenseConfig:
     specs = (_spec(q) for q in (recipe.fp4_quant_fwd_inp, recipe.fp4_quant_fwd_weight, recipe.fp4_quant_bwd_grad))
-    return NVFP4DenseConfig(*specs, recipe.backward_override, x_dtype, kernel_dtype, bias_dtype)
+    return NVFP4DenseConfig(*specs, recipe.backward_override, x_dtype, kernel_dtype, bias_dtype, tuple(axis_names))
 
 
-def nvfp4_config(recipe: Any, x_dtype, kernel_dtype, bias_dtype) -> NVFP4DenseConfig:
-    """The config of an NVFP4BlockScaling recipe; its unimplemented options are refused, naming them."""
+def nvfp4_config(recipe: Any, x_dtype, kernel_dtype, bias_dtype, axis_names: Tuple[str, ...] = ()
+                 ) -> NVFP4DenseConfig:
+    """The config of an NVFP4BlockScaling recipe; its unimplemented options are refused, naming them.
+    `axis_names`: inside `shard_map`, the mesh axes to all-reduce the per-tensor amaxes over (dense.amax_axes)."""
     recipe.check_implemented()
     return _config(recipe, jnp.dtype(x_dtype), jnp.dtype(kernel_dtype),
-                   None if bias_dtype is None else jnp.dtype(bias_dtype))
+                   None if bias_dtype is None else jnp.dtype(bias_dtype), axis_names)
 
 
 def needs_sr_key(recipe: Any) -> bool:
     """Whether dense under the NVFP4BlockScaling `recipe` needs a stochastic-rounding PRNG key."""
     return _config(recipe).needs_key
+
+
+def _operand(cfg: NVFP4DenseConfig, t, role: int, columnwise: bool, key):
+    """One role's usage (role 0: x, 1: kernel, 2: grad) of `t`, with its spec, SR key and the config's amax axes.
+    x and grad are (rows, features): their columnwise usage is the transpose; the kernel K (in, out) holds W = K.T:
+    its rowwise usage is the transpose."""
+    spec = (cfg.x, cfg.kernel, cfg.grad)[role]
+    return nvfp4_operand(t, spec, transpose=columnwise != (role == 1), key=_key(key, role, columnwise),
+                         axis_names=cfg.axis_names)
 
 
 def _key(key, role: int, columnwise: bool):
@@ -87,15 +99,14 @@ def _nvfp4_dense(cfg: NVFP4DenseConfig, x, kernel, bias, key):
 
 
 def _nvfp4_dense_fwd(cfg: NVFP4DenseConfig, x, kernel, bias, key):
-    qx = nvfp4_operand(x, cfg.x, key=_key(key, 0, False))
-    qw = nvfp4_operand(kernel, cfg.kernel, transpose=True, key=_key(key, 1, False))  # W = K.T (N, K), blocks along K
+    qx = _operand(cfg, x, 0, False, key)
+    qw = _operand(cfg, kernel, 1, False, key)  # W = K.T (N, K), blocks along K
     y = nvfp4_gemm(qx, qw)
     if bias is not None:
         y = y + bias.astype(F32)
     override = cfg.backward_override
     if override is None:  # the columnwise usages the backward GEMMs read
-        saved = (nvfp4_operand(x, cfg.x, transpose=True, key=_key(key, 0, True)),
-                 nvfp4_operand(kernel, cfg.kernel, key=_key(key, 1, True)))
+        saved = (_operand(cfg, x, 0, True, key), _operand(cfg, kernel, 1, True, key))
     elif override == "dequantized":
         saved = (dequantize_nvfp4(qx), dequantize_nvfp4(qw).T)
     else:
@@ -110,8 +121,8 @@ def _nvfp4_dense_bwd(cfg: NVFP4DenseConfig, res, dy):
         dx, dk = hp_gemm(dy, k_op, _DGRAD), hp_gemm(x_op, dy, _WGRAD)
     else:
         qx_t, qk = saved  # x.T (K, M) blocks along M; K (K, N) blocks along N
-        dx = nvfp4_gemm(nvfp4_operand(dy, cfg.grad, key=_key(key, 2, False)), qk)
-        dk = nvfp4_gemm(qx_t, nvfp4_operand(dy, cfg.grad, transpose=True, key=_key(key, 2, True)))
+        dx = nvfp4_gemm(_operand(cfg, dy, 2, False, key), qk)
+        dk = nvfp4_gemm(qx_t, _operand(cfg, dy, 2, True, key))
     dbias = None if cfg.bias_dtype is None else jnp.sum(dy.astype(F32), axis=0).astype(cfg.bias_dtype)
     return dx.astype(cfg.x_dtype), dk.astype(cfg.kernel_dtype), dbias, None
 

@@ -18,7 +18,7 @@ K must be a multiple of 32 and N of 8, as Transformer Engine's NVFP4 GEMM requir
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -51,11 +51,11 @@ class NVFP4Operand(NamedTuple):
     amax: jax.Array
 
 
-def nvfp4_operand(x: jax.Array, spec: NVFP4Spec, transpose: bool = False, key: Optional[jax.Array] = None
-                  ) -> NVFP4Operand:
+def nvfp4_operand(x: jax.Array, spec: NVFP4Spec, transpose: bool = False, key: Optional[jax.Array] = None,
+                  axis_names: Tuple[str, ...] = ()) -> NVFP4Operand:
     """The operand `x` (M, K) (contraction over K), or `x.T` (K, M) with `transpose` (contraction over M; the
     columnwise usage, transformed when `spec.rht`). `key`: the PRNG key of stochastic rounding (needed when
-    `spec.stochastic_rounding`)."""
+    `spec.stochastic_rounding`). `axis_names`: inside `shard_map`, the mesh axes to all-reduce the amax over."""
     t = x.T if transpose else x
     if transpose and spec.rht:
         t = rht(t)
@@ -64,7 +64,7 @@ def nvfp4_operand(x: jax.Array, spec: NVFP4Spec, transpose: bool = False, key: O
         if key is None:
             raise ValueError("nvfp4_operand: stochastic rounding needs a PRNG key (key=jax.random.key(...))")
         rand = jax.random.uniform(key, t.shape, F32)
-    return NVFP4Operand(*nc.nvfp4_cast(t, spec.two_d, rand))
+    return NVFP4Operand(*nc.nvfp4_cast(t, spec.two_d, rand, axis_names))
 
 
 def _values(op: NVFP4Operand) -> jax.Array:
@@ -103,6 +103,7 @@ def nvfp4_gemm(a: NVFP4Operand, b: NVFP4Operand) -> jax.Array:
         p, s1, s2 = block
         return y + (s1 * s2) * p, None
 
-    y, _ = lax.scan(step, jnp.zeros((m, n), F32), (partials, sa, sb))
+    y0 = jnp.zeros_like(partials[0])  # zeros_like: inside shard_map the carry varies over the partials' mesh axes
+    y, _ = lax.scan(step, y0, (partials, sa, sb))
     alpha = (a.amax.astype(F32) * b.amax.astype(F32)) / jnp.float32(_ALPHA_DIVISOR)
     return alpha * y
