@@ -11,8 +11,13 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from ..constants import DType, fp8_torch_dtype
-from ..quantized_tensor import (QuantizedTensor, QuantizedTensorStorage, Quantizer, dispatch_through,
-                                set_wrapper_metadata)
+from ..quantized_tensor import (
+    QuantizedTensor,
+    QuantizedTensorStorage,
+    Quantizer,
+    dispatch_through,
+    set_wrapper_metadata,
+)
 from .float8_tensor import _check as high_precision_input
 
 __all__ = ["BlockScaledStorage", "BlockScaledTensorMixin", "BlockQuantizer", "TransposedBlockOperand", "FIELDS"]
