@@ -79,6 +79,7 @@ def _count_step(layer, x, dy, recipe) -> tuple:
                 y = layer(x)
         y.backward(dy)
 
+    gc.collect()  # modules of earlier counts leave the autocast registry (their states would be updated too)
     for _ in range(3):
         step()
     with kernels.observe_launches() as launches, DispatchCounter() as counter:
@@ -100,8 +101,8 @@ def linear_op_counts(hidden: int = 64, tokens: int = 16) -> List[dict]:
         for use in (True, False):
             with kernels.enabled_as(use):
                 for name, recipe in recipes.items():
-                    layer = te.Linear(hidden, hidden, device=meta, params_dtype=torch.bfloat16)
-                    ops, launches = _count_step(layer, x, dy, recipe())
+                    ops, launches = _count_step(te.Linear(hidden, hidden, device=meta, params_dtype=torch.bfloat16),
+                                                x, dy, recipe())  # no name keeps the module alive after its count
                     rows.append({"path": "accelerator", "variant": f"{name}, kernels {'on' if use else 'off'}",
                                  "ops": ops, "launches": launches})
     x = torch.randn(tokens, hidden, requires_grad=True)
