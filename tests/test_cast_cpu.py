@@ -23,6 +23,15 @@ import reference as ref
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, the condition under which large 16-bit tensors take the table cast."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -154,7 +163,7 @@ def test_widening_skips_its_check_only_when_the_cast_saw_no_nan(fmt):
 
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(), Float8CurrentScaling()], ids=["delayed", "current"])
-def test_linear_widens_each_operand_once(recipe, monkeypatch):
+def test_linear_widens_each_operand_once(recipe, monkeypatch, one_thread):
     """One Linear forward + backward on CPU widens x and dy once each (x again in the backward, from its saved FP8
     bytes); the weight's values come from its (table) cast."""
     calls = []
@@ -174,7 +183,7 @@ def test_linear_widens_each_operand_once(recipe, monkeypatch):
     assert sorted(shape for shape, _ in calls) == sorted([(128, 512), (128, 256), (128, 512)])
 
 
-def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch):
+def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch, one_thread):
     """is_first_microbatch=True caches the FP8 weight; the later microbatches reuse its bytes and its widened
     values (the weight is widened once for all of them), with the same outputs as casting it again."""
     shapes = []
@@ -226,7 +235,7 @@ def _as_float32(x: torch.Tensor) -> np.ndarray:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_table_cast_matches_reference_for_every_pattern(fmt, dtype):
+def test_table_cast_matches_reference_for_every_pattern(fmt, dtype, one_thread):
     """The table cast of large 16-bit tensors (cast.TABLE_MIN_NUMEL): every bit pattern (NaN and inf included), at
     unaligned offsets, for scales that saturate, round into subnormals and flush to zero: bytes equal the
     reference's (NaN keeps its sign: 0x7F / 0xFF), a bf16 input's values equal the bytes decoded by ml_dtypes."""
@@ -263,10 +272,34 @@ def test_widening_matches_ml_dtypes_for_every_code(fmt, dtype):
         np.testing.assert_array_equal(got.float().numpy(), want)
 
 
-def test_table_cast_of_a_noncontiguous_input():
+def test_table_cast_of_a_noncontiguous_input(one_thread):
     """A transposed (non-contiguous) bf16 input takes the table path with its logical layout."""
     x = torch.randn(512, 768, dtype=torch.bfloat16).t()
     q = cast_host(x, 30.0, torch.float8_e4m3fn, math.inf)
     want, _ = ref.cast(x.float().contiguous().numpy(), "e4m3", 30.0)
     np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
     assert q._data.shape == x.shape
+
+
+def test_table_cast_only_with_one_thread(monkeypatch):
+    """With two or more intra-op threads the table cast is not used (torch's conversions run in parallel then),
+    and the bytes are the same either way."""
+    x = torch.randn(512, 512, dtype=torch.bfloat16)
+    calls = []
+    table_cast = cast_module._cast_by_table
+
+    def spy(*args):
+        calls.append(1)
+        return table_cast(*args)
+
+    monkeypatch.setattr(cast_module, "_cast_by_table", spy)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append(cast_host(x, 30.0, torch.float8_e4m3fn, math.inf)._data)
+            assert len(calls) == 1  # the first (one thread) only
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0], results[1])

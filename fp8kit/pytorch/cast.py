@@ -180,7 +180,7 @@ def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value:
     x holds no NaN (`host.amax_nan`), so the saturated bytes hold no NaN or inf code either, which the CPU GEMM's
     widening then need not check."""
     values = None
-    if x.dtype in _TABLE_DTYPES and x.numel() >= TABLE_MIN_NUMEL:
+    if x.dtype in _TABLE_DTYPES and x.numel() >= TABLE_MIN_NUMEL and torch.get_num_threads() == 1:
         data, values = _cast_by_table(x, scale, fp8_dtype)
     else:
         # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no
@@ -199,7 +199,8 @@ def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value:
 # that one gather maps x through (tensor.lookup): the same bytes, since the table is the cast itself. A bf16 x gets,
 # from the same gather, the FP8 values widened to bf16 (the CPU GEMM's operand, `Float8TensorStorage.values`), so
 # x is read once and nothing is converted twice. Below TABLE_MIN_NUMEL elements, making the tables costs more than
-# it saves.
+# it saves. Only with one intra-op thread: the gather runs on one thread, while torch's conversions and elementwise
+# operations split across threads and win with two or more (docs/performance.md).
 TABLE_MIN_NUMEL = 1 << 17
 _TABLE_DTYPES = (torch.bfloat16, torch.float16)
 _PATTERNS: dict = {}  # dtype -> (its 65536 bit patterns as that dtype, the indices of the NaN ones, their bytes)
