@@ -25,7 +25,7 @@ import fp8kit.pytorch as te
 from fp8kit.pytorch import host, kernels
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
-__all__ = ["DispatchCounter", "linear_op_counts"]
+__all__ = ["DispatchCounter", "linear_op_counts", "meta_autocast_off"]
 
 
 class DispatchCounter(TorchDispatchMode):
@@ -55,8 +55,12 @@ class DispatchCounter(TorchDispatchMode):
 
 
 @contextlib.contextmanager
-def _meta_autocast_off() -> Iterator[None]:
+def meta_autocast_off() -> Iterator[None]:
     """torch keeps no autocast state for `meta` (`torch.is_autocast_enabled("meta")` raises): answer False there."""
+    # torch._dynamo records torch's functions when it is imported: import it first, so that it records the real one
+    # and not the stand-in (else a later torch.compile in the process breaks on the real function)
+    import torch._dynamo  # noqa: F401
+
     real = torch.is_autocast_enabled
 
     def is_autocast_enabled(*args):
@@ -93,7 +97,7 @@ def linear_op_counts(hidden: int = 64, tokens: int = 16) -> List[dict]:
     rows = []
     meta = torch.device("meta")
     recipes = {"fp8kit current": Float8CurrentScaling, "fp8kit delayed": DelayedScaling}
-    with _meta_autocast_off():
+    with meta_autocast_off():
         x = torch.empty(tokens, hidden, device=meta, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.empty(tokens, hidden, device=meta, dtype=torch.bfloat16)
         ops, _ = _count_step(torch.nn.Linear(hidden, hidden, device=meta, dtype=torch.bfloat16), x, dy, None)

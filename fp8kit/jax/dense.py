@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from ..recipe import DelayedScaling, Float8CurrentScaling
-from . import context as _ac
+from . import context as jax_context
 from .block_dense import block_config, block_dense
 from .cast import F32, fp8_dtype_of
 from .gemm import GemmConfig, HeadConfig, fp8_gemm, head
@@ -121,8 +121,8 @@ def _same_varying_axes(*arrays):
 def amax_axes(operand: jax.Array) -> Tuple[str, ...]:
     """Mesh axes to all-reduce amaxes over: inside `shard_map`, every axis the GEMM operands are sharded over and
     every bound axis the current MeshResource names, except pipeline parallelism."""
-    axes = varying_axes(operand) | frozenset(_ac.bound_amax_axes())
-    return tuple(sorted(axes - {_ac.pipeline_axis()}))
+    axes = varying_axes(operand) | frozenset(jax_context.bound_amax_axes())
+    return tuple(sorted(axes - {jax_context.pipeline_axis()}))
 
 
 # ---- dense -----------------------------------------------------------------------------------------------------
@@ -185,7 +185,7 @@ def dense(
     batch, out_shape = tuple(x.shape[: x.ndim - nc]), tuple(kernel.shape[nc:])
     if bias is not None and tuple(bias.shape) != out_shape:
         raise ValueError(f"dense: bias {bias.shape} must have the kernel's output shape {out_shape}")
-    recipe = _ac.get_recipe()
+    recipe = jax_context.get_recipe()
     if recipe is None:
         dims = (tuple(range(x.ndim - nc, x.ndim)), tuple(range(nc)))
         y = lax.dot_general(x, kernel.astype(x.dtype), (dims, ((), ())), precision=precision)
@@ -238,7 +238,7 @@ def _fp8_dense(recipe, x2, k2, b2, x_dtype, kernel_dtype, quantizer_set) -> jax.
     token = _token(group, recipe)
     y, token = fp8_gemm(cfg, x2, k2, b2, scales, token)
     if isinstance(group["x_scale"], jax.core.Tracer):
-        _ac.token_registry().put(group["x_scale"], token)
+        jax_context.token_registry().put(group["x_scale"], token)
     return y
 
 
@@ -256,10 +256,10 @@ def _token(group: dict, recipe: DelayedScaling) -> jax.Array:
     """The token this use continues from: the latest one of this state in this trace, or a new head."""
     leaf = group["x_scale"]
     if isinstance(leaf, jax.core.Tracer):
-        token = _ac.token_registry().get(leaf)
+        token = jax_context.token_registry().get(leaf)
         if token is not None:
             return token
-    return head(HeadConfig(recipe, _ac.is_deferred()), group)
+    return head(HeadConfig(recipe, jax_context.is_deferred()), group)
 
 
 # `te.dense.dense(...)` (Transformer Engine's module path) works as well as `te.dense(...)`

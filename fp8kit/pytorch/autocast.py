@@ -29,7 +29,7 @@ from .compiled import PENDING, TracedCalls, compiling, flagged_forward, flush_ba
 from .frames import STACK, current_frame
 from .recipe_families import registered_recipes
 from .recompute import in_backward, in_reentrant_checkpoint, release_step
-from .registry import register as _register_states
+from .registry import register as register_states
 from .registry import registry_states
 from .state import ScalingState
 from .state_block import flat_block, note_ran
@@ -139,7 +139,7 @@ _STACK = STACK  # the thread's autocast stack (fp8kit.pytorch.frames)
 
 def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> None:
     """Register a module's states under the frame's key (moving them from another key if needed)."""
-    _register_states(frame.recipe, frame.group, forward, backward, flat=not (compiling() or frame.graph))
+    register_states(frame.recipe, frame.group, forward, backward, flat=not (compiling() or frame.graph))
 
 
 def _update_step(step: _Step) -> None:

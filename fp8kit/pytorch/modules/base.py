@@ -18,7 +18,7 @@ from ..fp8_weights import parameter_attributes, renew_weight_quantizers, restore
 from ..recipe_families import FAMILIES
 from ..recompute import ForwardRecord, RecordQueue, in_backward, in_reentrant_checkpoint, retain_step
 from ..state import ScalingState, resized_history
-from ..state_entry import FIELDS as _FIELDS
+from ..state_entry import FIELDS as STATE_FIELDS
 from ..state_entry import CheckpointEntryError, bad_fp8_entry
 from ..te_checkpoint import accept_extra_state, with_te_extra_state
 from .quantizer_lists import module_quantizers
@@ -325,7 +325,7 @@ class FP8StateMixin:
         entries = {}
         for name, per_gemm in _PASSES:
             base = f"{prefix}fp8_meta.{name}"
-            found = {f: state_dict[f"{base}.{f}"] for f in _FIELDS if f"{base}.{f}" in state_dict}
+            found = {f: state_dict[f"{base}.{f}"] for f in STATE_FIELDS if f"{base}.{f}" in state_dict}
             if not found:
                 continue
             field, problem = bad_fp8_entry(found, per_gemm * self.num_gemms)
@@ -340,7 +340,7 @@ class FP8StateMixin:
         entries = self.fp8_entries(state_dict, prefix)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in _FIELDS}
+        ours = {f"{prefix}fp8_meta.{name}.{f}" for name, _ in _PASSES for f in STATE_FIELDS}
         unexpected_keys[:] = [k for k in unexpected_keys if k not in ours]  # misspelt fp8_meta keys stay unexpected
         accept_extra_state(prefix, unexpected_keys)  # Transformer Engine's `<prefix>_extra_state` is expected
         for name, found in entries.items():

@@ -1,11 +1,12 @@
 """Elementwise maps of 8- and 16-bit codes on the CPU by table lookup, in cache-sized chunks.
 
-A function of an 8- or 16-bit input (an FP8 byte widened to bf16; the FP8 byte of a bf16 value times a fixed scale)
-is a table of 256 or 65536 entries. Applying it to a large tensor is then one gather (`index_select`), whose result
-is bit-identical to the function however the table was made, in whatever way the table's own maker rounds. Indices
-must be int32 or int64, so the codes are widened to int32 a chunk at a time into a small buffer that stays in the
-core's cache, and each chunk is gathered straight into its slice of the outputs: the input is read once and each
-output written once, instead of a pass over main memory per elementwise step.
+A function of an 8- or 16-bit input (the CPU cast uses it for the FP8 byte of a bf16 value times a fixed scale,
+and for that byte's value widened to bf16) is a table of 256 or 65536 entries. Applying it to a large tensor is
+then one gather (`index_select`), whose result is bit-identical to the function however the table was made, in
+whatever way the table's own maker rounds. Indices must be int32 or int64, so the codes are widened to int32 a
+chunk at a time into a small buffer that stays in the core's cache, and each chunk is gathered straight into its
+slice of the outputs: the input is read once and each output written once, instead of a pass over main memory per
+elementwise step.
 """
 
 from __future__ import annotations

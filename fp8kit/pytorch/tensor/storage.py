@@ -95,12 +95,13 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._scale_inv_value = scale_inv_value
 
     @classmethod
-    def trusted(cls, data: torch.Tensor, scale_inv: torch.Tensor, fake_dtype: torch.dtype) -> "Float8TensorStorage":
-        """A storage of FP8-typed `data` (kept as its uint8 bytes) and float32 `[1]` `scale_inv` made by fp8kit's own
-        casts (no checks)."""
+    def trusted(cls, data: torch.Tensor, scale_inv: Optional[torch.Tensor], fake_dtype: torch.dtype,
+                scale_inv_value: Optional[float] = None) -> "Float8TensorStorage":
+        """A storage of FP8-typed `data` (kept as its uint8 bytes) and float32 `[1]` `scale_inv` (or the float
+        `scale_inv_value`) made by fp8kit's own casts (no checks)."""
         self = cls.__new__(cls)
         raw, fmt = data.view(torch.uint8), _TE_DTYPE[data.dtype]
-        self._assign(raw, fmt, scale_inv, fake_dtype, None, None, None)
+        self._assign(raw, fmt, scale_inv, fake_dtype, None, None, scale_inv_value)
         self._fp8_view_memo = (raw, fmt, data)  # the cast's FP8-typed tensor is the view (no second view op)
         return self
 
@@ -244,14 +245,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
                    scale_inv_value: Optional[float]) -> "Float8TensorStorage":
         """An operand `saved_form` gave, back as a storage (its nominal dtype does not matter to the GEMMs). The
         saved FP8-typed view is kept as the storage's `fp8_view()` (one view operation, for the uint8 bytes)."""
-        fmt = _TE_DTYPE.get(data.dtype)
-        if fmt is None or (scale_inv is None and scale_inv_value is None):  # not what saved_form gives: checked
+        if data.dtype not in _TE_DTYPE or (scale_inv is None and scale_inv_value is None):  # not saved_form's: checked
             return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
-        self = Float8TensorStorage.__new__(Float8TensorStorage)
-        raw = data.view(torch.uint8)
-        self._assign(raw, fmt, scale_inv, torch.float32, None, None, scale_inv_value)
-        self._fp8_view_memo = (raw, fmt, data)
-        return self
+        return Float8TensorStorage.trusted(data, scale_inv, torch.float32, scale_inv_value)
 
     # ---- autograd saving (Transformer Engine's protocol) ----
 
