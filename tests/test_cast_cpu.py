@@ -169,9 +169,9 @@ def test_linear_widens_each_operand_once(recipe, monkeypatch, one_thread):
     calls = []
     widen = storage.widen
 
-    def spy(data, dtype, codes_finite=False):
+    def spy(data, dtype, codes_finite=False, fp8_dtype=None):
         calls.append((tuple(data.shape), codes_finite))
-        return widen(data, dtype, codes_finite)
+        return widen(data, dtype, codes_finite, fp8_dtype)
 
     monkeypatch.setattr(storage, "widen", spy)
     lin = te.Linear(512, 256, params_dtype=torch.bfloat16)
@@ -189,9 +189,9 @@ def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch, one_
     shapes = []
     widen = storage.widen
 
-    def spy(data, dtype, codes_finite=False):
+    def spy(data, dtype, codes_finite=False, fp8_dtype=None):
         shapes.append(tuple(data.shape))
-        return widen(data, dtype, codes_finite)
+        return widen(data, dtype, codes_finite, fp8_dtype)
 
     torch.manual_seed(0)
     lin = te.Linear(512, 256, params_dtype=torch.bfloat16)
@@ -270,6 +270,49 @@ def test_widening_matches_ml_dtypes_for_every_code(fmt, dtype):
         assert got.dtype == dtype and got.shape == data.shape
         want = data.contiguous().numpy().view(ref.FP8[fmt][0]).astype(np.float32)
         np.testing.assert_array_equal(got.float().numpy(), want)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16], ids=["bf16", "f32", "fp16"])
+@pytest.mark.parametrize("rows", [4, 40, 255], ids=["table-min", "mid", "below-bits"])
+def test_mid_sized_widening_by_table_matches_ml_dtypes(fmt, dtype, rows):
+    """Mid-sized CPU tensors (WIDEN_BY_TABLE_MIN_NUMEL up to the bit path) widen by a gather from the codes'
+    values: every code, NaN and inf included, row-major, transposed, and from the uint8 bytes with the format
+    named, equal ml_dtypes' decoding; so does a storage's `values` (the CPU GEMM's operand)."""
+    fp8 = FORMATS[fmt]
+    assert rows * 256 >= storage.WIDEN_BY_TABLE_MIN_NUMEL and rows * 256 < storage.WIDEN_BY_BITS_MIN_NUMEL
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).repeat(rows + 1)[7:7 + 256 * rows].view(rows, 256)
+    for data in (codes, codes.t()):
+        want = data.contiguous().numpy().view(ref.FP8[fmt][0]).astype(np.float32)
+        for got in (storage.widen(data.view(fp8), dtype), storage.widen(data, dtype, fp8_dtype=fp8)):
+            assert got.dtype == dtype and got.shape == data.shape
+            np.testing.assert_array_equal(got.float().numpy(), want)
+        q = storage.Float8TensorStorage(data=data, fp8_dtype=fp8, fp8_scale_inv=torch.ones(1))
+        np.testing.assert_array_equal(q.values(dtype).float().numpy(), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("n", [7, 1000, 5000], ids=["tiny", "below-abs-min", "above-abs-min"])
+def test_tensor_path_amax_of_cpu_tensors(dtype, n):
+    """The tensor path's amax on CPU tensors (|.| and max, or the norm for small 16-bit ones): max |x| over the
+    non-NaN elements as a float32 0-d tensor, with NaN, infinities, -0 and subnormals about, against NumPy."""
+    rng = np.random.default_rng(n)
+    tiny = float(torch.finfo(dtype).tiny)
+    for special in (None, float("nan"), float("inf"), -float("inf"), -0.0, tiny / 4, "all-nan", "zeros"):
+        x = rng.standard_normal(n) * 3
+        if special == "all-nan":
+            x[:] = np.nan
+        elif special == "zeros":
+            x[:] = 0.0
+        elif special is not None:
+            x[rng.integers(0, n, size=3)] = special
+        t = torch.from_numpy(x).to(dtype)
+        values = t.double().numpy()
+        finite = values[~np.isnan(values)]
+        want = np.float32(np.abs(finite).max()) if finite.size else np.float32(0)
+        got = cast_module._device_amax(t)
+        assert got.dtype == torch.float32 and got.dim() == 0
+        assert np.float32(got.item()) == want or (np.isinf(want) and np.isinf(got.item())), (special, got, want)
 
 
 def test_table_cast_of_a_noncontiguous_input(one_thread):

@@ -178,6 +178,8 @@ class Float8TensorStorage(QuantizedTensorStorage):
             source = self._transposed_of
             if source is not None and source._data is not None:  # kept on the untransposed tensor, for its next use
                 cached = self._values = source.values(dtype).t()
+            elif self._data.numel() >= WIDEN_BY_TABLE_MIN_NUMEL:  # from the uint8 bytes (no FP8-typed view)
+                cached = self._values = widen(self._data, dtype, self._codes_finite, _TORCH_OF[self._fp8_dtype])
             else:
                 cached = self._values = widen(self.fp8_view(), dtype, self._codes_finite)
         return cached
@@ -185,15 +187,14 @@ class Float8TensorStorage(QuantizedTensorStorage):
     def transposed(self) -> "Float8TensorStorage":
         """The transpose of a 2-D tensor; the bytes are moved exactly, the scale (and converted values) shared.
         With `_transpose` the two layouts swap roles (no copy)."""
-        data, fmt = self._data, self._fp8_dtype
+        data = self._data
+        out = Float8TensorStorage.__new__(Float8TensorStorage)  # this one's fields, already checked
         if self._transpose is not None and not self._transpose_invalid and data.dim() == 2:
             keep = data if data.is_contiguous() else None
-            out = Float8TensorStorage(data=self._transpose, fp8_scale_inv=self._scale_inv, fp8_dtype=fmt,
-                                      fake_dtype=self._dtype, data_transpose=keep,
-                                      scale_inv_value=self._scale_inv_value)
+            out._assign(self._transpose, self._fp8_dtype, self._scale_inv, self._dtype, keep, None,
+                        self._scale_inv_value)
         else:
-            out = Float8TensorStorage(data=data.t(), fp8_scale_inv=self._scale_inv, fp8_dtype=fmt,
-                                      fake_dtype=self._dtype, scale_inv_value=self._scale_inv_value)
+            out._assign(data.t(), self._fp8_dtype, self._scale_inv, self._dtype, None, None, self._scale_inv_value)
         if self._values is not None:
             out._values = self._values.t()
         elif self._transpose is None and self._data.device.type == "cpu":
@@ -292,8 +293,7 @@ def _bytes_and_format(data, fp8_dtype, name: str):
 # than these four vectorised passes. The FP8 byte, read as an int8, is sign-extended into an int16 and shifted left
 # so that its exponent and mantissa fields land on bf16's; the mask keeps them and the sign bit (clearing the copies
 # of the sign the extension made), and a multiplication by 2**(127 - bias) fixes the exponent bias (exact, FP8
-# subnormals included). NaN/inf codes would come out as finite numbers, so tensors holding any take torch's
-# conversion.
+# subnormals included). NaN/inf codes would come out as finite numbers, so tensors holding any take the table below.
 _BY_BITS = {  # fp8 dtype: (left shift, int16 mask, multiplier, smallest |code| that is NaN or inf)
     torch.float8_e4m3fn: (4, 0x87F0 - 0x10000, 2.0 ** 120, 0x7F),
     torch.float8_e5m2: (5, 0x8FE0 - 0x10000, 2.0 ** 112, 0x7C),
@@ -302,17 +302,39 @@ WIDEN_BY_BITS_MIN_NUMEL = 1 << 16
 _SUBNORMAL = torch.tensor(2.0 ** -140, dtype=torch.float32)
 
 
-def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False) -> torch.Tensor:
-    """`data.to(dtype)`, faster for large CPU tensors and bf16 or float32 results. `codes_finite`: the caller knows
-    `data` holds no NaN or inf code (skips a check that reads the bytes twice)."""
-    if data.device.type == "cpu" and data.numel() >= WIDEN_BY_BITS_MIN_NUMEL \
-            and dtype in (torch.bfloat16, torch.float32):
-        shift, mask, multiplier, special = _BY_BITS[data.dtype]
+# Mid-sized CPU tensors widen by table: torch's conversion costs about 7 ns per element here, a gather from the 256
+# codes' values (made by that same conversion, so bit-identical, NaN codes included) about 2 ns plus the uint8 ->
+# int64 index pass (docs/performance.md, "Host overhead").
+WIDEN_BY_TABLE_MIN_NUMEL = 1 << 10
+_CODE_VALUES: dict = {}  # (fp8 dtype, dtype) -> the 256 codes' values as dtype (CPU)
+
+
+def _code_values(fp8_dtype: torch.dtype, dtype: torch.dtype) -> torch.Tensor:
+    key = (fp8_dtype, dtype)
+    found = _CODE_VALUES.get(key)
+    if found is None:
+        with torch.inference_mode(False):
+            found = _CODE_VALUES[key] = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(fp8_dtype).to(dtype)
+    return found
+
+
+def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False,
+          fp8_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """`data.to(dtype)` for FP8-typed `data` (or uint8 bytes `data` of the torch float8 format `fp8_dtype`), faster
+    for CPU tensors of at least WIDEN_BY_TABLE_MIN_NUMEL elements: by bits (large, bf16 or float32, no NaN/inf
+    code), else by a gather from the 256 codes' values. `codes_finite`: the caller knows `data` holds no NaN or inf
+    code (skips a check that reads the bytes twice)."""
+    if data.device.type != "cpu" or data.numel() < WIDEN_BY_TABLE_MIN_NUMEL or not dtype.is_floating_point:
+        return (data if fp8_dtype is None else data.view(fp8_dtype)).to(dtype)
+    raw = data if fp8_dtype is not None else data.view(torch.uint8)
+    fp8_dtype = fp8_dtype or data.dtype
+    if raw.numel() >= WIDEN_BY_BITS_MIN_NUMEL and dtype in (torch.bfloat16, torch.float32):
+        shift, mask, multiplier, special = _BY_BITS[fp8_dtype]
         # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)
-        if (codes_finite or int((data.view(torch.uint8) & 0x7F).max()) < special) and float(_SUBNORMAL * 1.0) != 0:
+        if (codes_finite or int((raw & 0x7F).max()) < special) and float(_SUBNORMAL * 1.0) != 0:
             # float32 has bf16's exponent field: the same in an int32, 16 bits further up
             wide = dtype == torch.float32
-            bits = data.view(torch.int8).to(torch.int32 if wide else torch.int16)
+            bits = raw.view(torch.int8).to(torch.int32 if wide else torch.int16)
             bits.bitwise_left_shift_(shift + 16 if wide else shift).bitwise_and_(mask * 0x10000 if wide else mask)
             return bits.view(dtype).mul_(multiplier)
-    return data.to(dtype)
+    return torch.take(_code_values(fp8_dtype, dtype), raw.to(torch.int64))
