@@ -35,6 +35,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 import fp8kit.pytorch as te
+from fp8kit.bench_floor import FloorLinear
 from fp8kit.bench_ops import linear_op_counts
 from fp8kit.pytorch import host
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
@@ -42,6 +43,7 @@ from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
 RECIPES = {"current": Float8CurrentScaling, "delayed": DelayedScaling}
 EXIT_MODULES = (10, 200, 1000)
+FLOOR = "ops only, current"  # fp8kit.bench_floor: current scaling's operations with nothing around them
 
 
 def _te_module(kind: str, hidden: int, heads: int) -> torch.nn.Module:
@@ -133,6 +135,8 @@ def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int 
         for name, recipe_cls in RECIPES.items():
             stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)])
             steps[f"fp8kit {name}"] = _step(stack, x, recipe_cls())
+        if kind == "Linear":  # the same operations as "fp8kit current", without fp8kit around them
+            steps[FLOOR] = _step(torch.nn.Sequential(*[FloorLinear(hidden, hidden) for _ in range(modules)]), x, None)
         medians = _medians(steps, rounds, per_round)
         base_f, base_b = medians["torch"]
         for name, (f, b) in medians.items():
@@ -222,6 +226,9 @@ def format_overhead_report(report: dict) -> str:
             lines.append(f"{row['path']:17s} {row['variant']:30s} {row['ops']:5d} {row['launches']:9d} "
                          f"{total / base[row['path']]:8.2f}")
     lines.append("x: fp8kit's time over the torch equivalent's in the same rounds (forward includes the autocast exit)")
+    lines.append(f"{FLOOR}: the torch operations of fp8kit's current-scaling Linear call alone (fp8kit/bench_floor.py: "
+                 "the same outputs and gradients); fp8kit above it is fp8kit's own Python, it above torch is what "
+                 "the operations cost on this device")
     lines.append("first alloc: the first allocation after the forward pass (the C allocator's deferred work on the "
                  "forward's freed temporaries), taken before the exit's timer")
     return "\n".join(lines)

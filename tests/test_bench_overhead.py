@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import fp8kit.pytorch as te
 from fp8kit import cli
-from fp8kit.bench_overhead import bench_exit, format_overhead_report, run_overhead_bench
+from fp8kit.bench_floor import FloorLinear
+from fp8kit.bench_overhead import FLOOR, bench_exit, format_overhead_report, run_overhead_bench
 from fp8kit.pytorch import host
+from fp8kit.recipe import Float8CurrentScaling
 
 
 def test_quick_report_is_consistent():
@@ -15,7 +18,7 @@ def test_quick_report_is_consistent():
     report = run_overhead_bench(quick=True, rounds=1)
     assert torch.get_num_threads() == threads  # restored
     rows = {r["variant"]: r for r in report["modules"]}
-    assert set(rows) == {"torch", "fp8kit current", "fp8kit delayed"}
+    assert set(rows) == {"torch", "fp8kit current", "fp8kit delayed", FLOOR}
     base = rows["torch"]
     for row in rows.values():
         assert row["forward_us"] > 0 and row["backward_us"] > 0
@@ -54,3 +57,29 @@ def test_linear_op_counts_rows():
         assert (row["launches"] > 0) == variant.endswith("kernels on"), (path, variant, row)
     text = format_overhead_report({"modules": [], "exit": [], "ops": list(rows.values())})
     assert "fp8kit current, kernels on" in text and "cpu tensor path" in text
+
+
+@pytest.mark.parametrize("m,k,n", [(16, 64, 64), (40, 96, 48)])
+def test_floor_runs_the_same_computation_as_fp8kit(m, k, n):
+    """The floor row's module gives te.Linear's outputs and gradients under Float8CurrentScaling on the tensor path,
+    bit for bit (so its time is the time of the same work), with NaN-free and NaN-holding gradients alike."""
+    torch.manual_seed(m)
+    lin, floor = te.Linear(k, n), FloorLinear(k, n)
+    with torch.no_grad():
+        floor.weight.copy_(lin.weight)
+        floor.bias.copy_(torch.randn(n))
+        lin.bias.copy_(floor.bias)
+    x = torch.randn(m, k) * 3
+    for g in (torch.randn(m, n), torch.randn(m, n).index_fill_(0, torch.tensor([1]), float("nan"))):
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        lin.zero_grad()
+        floor.zero_grad()
+        with host.tensor_path():
+            with te.autocast(recipe=Float8CurrentScaling()):
+                y1 = lin(x1)
+            y1.backward(g)
+        y2 = floor(x2)
+        y2.backward(g)
+        pairs = ((y1, y2), (x1.grad, x2.grad), (lin.weight.grad, floor.weight.grad), (lin.bias.grad, floor.bias.grad))
+        for a, b in pairs:
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
