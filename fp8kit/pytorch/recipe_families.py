@@ -111,8 +111,9 @@ def _current_quantizers(call, gemm: int):
 
 def _current_plan(plan, recipe, module, call) -> None:
     """The recipe's GEMM options (fast accumulation per GEMM) and backward override."""
-    plan.fast_accum = tuple(not p.use_split_accumulator
-                            for p in (recipe.fp8_gemm_fprop, recipe.fp8_gemm_dgrad, recipe.fp8_gemm_wgrad))
+    plan.fast_accum = (not recipe.fp8_gemm_fprop.use_split_accumulator,
+                       not recipe.fp8_gemm_dgrad.use_split_accumulator,
+                       not recipe.fp8_gemm_wgrad.use_split_accumulator)
     plan.backward_override = recipe.backward_override
     if recipe.backward_override is not None:
         plan.fp8 = (call.fp8[0], False, False)

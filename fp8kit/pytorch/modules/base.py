@@ -62,7 +62,8 @@ class FP8Call:
         self.module, self.frame, self.record, self.replay = module, frame, record, replay
         # recipes without the field (TE's block-scaling ones) run every GEMM in FP8
         override = getattr(frame.recipe, "override_linear_precision", _NO_OVERRIDE)
-        self.fp8 = tuple(frame.enabled and not o for o in override)
+        on = frame.enabled
+        self.fp8 = (on and not override[0], on and not override[1], on and not override[2])  # no generator: hot
         self.calibrate = not frame.enabled
         self.track_backward = track_backward
         self._states = states
@@ -192,7 +193,11 @@ class FP8StateMixin:
         if compiling() or frame.graph:
             return self._compiled_call(frame, tensors, device)
         grad = torch.is_grad_enabled()
-        needs_backward = any(t is not None and t.requires_grad for t in tensors)
+        needs_backward = False
+        for t in tensors:  # a loop, not any(<generator>): this runs every call
+            if t is not None and t.requires_grad:
+                needs_backward = True
+                break
         # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
         will_recompute = not grad and needs_backward and in_reentrant_checkpoint()
         counted = frame.records_amax and needs_backward and (grad or will_recompute)
