@@ -285,7 +285,8 @@ def test_mid_sized_widening_by_table_matches_ml_dtypes(fmt, dtype, rows):
     for data in (codes, codes.t()):
         want = data.contiguous().numpy().view(ref.FP8[fmt][0]).astype(np.float32)
         for got in (storage.widen(data.view(fp8), dtype), storage.widen(data, dtype, fp8_dtype=fp8)):
-            assert got.dtype == dtype and got.shape == data.shape
+            # the conversion's layout too (the CPU GEMM's accumulation order follows its operands' strides)
+            assert got.dtype == dtype and got.shape == data.shape and got.stride() == data.stride()
             np.testing.assert_array_equal(got.float().numpy(), want)
         q = storage.Float8TensorStorage(data=data, fp8_dtype=fp8, fp8_scale_inv=torch.ones(1))
         np.testing.assert_array_equal(q.values(dtype).float().numpy(), want)

@@ -324,7 +324,8 @@ def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False,
     for CPU tensors of at least WIDEN_BY_TABLE_MIN_NUMEL elements: by bits (large, bf16 or float32, no NaN/inf
     code), else by a gather from the 256 codes' values. `codes_finite`: the caller knows `data` holds no NaN or inf
     code (skips a check that reads the bytes twice)."""
-    if data.device.type != "cpu" or data.numel() < WIDEN_BY_TABLE_MIN_NUMEL or not dtype.is_floating_point:
+    if data.device.type != "cpu" or data.numel() < WIDEN_BY_TABLE_MIN_NUMEL or not dtype.is_floating_point \
+            or torch.compiler.is_compiling():  # traced: one conversion for inductor to fuse
         return (data if fp8_dtype is None else data.view(fp8_dtype)).to(dtype)
     raw = data if fp8_dtype is not None else data.view(torch.uint8)
     fp8_dtype = fp8_dtype or data.dtype
@@ -337,4 +338,8 @@ def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False,
             bits = raw.view(torch.int8).to(torch.int32 if wide else torch.int16)
             bits.bitwise_left_shift_(shift + 16 if wide else shift).bitwise_and_(mask * 0x10000 if wide else mask)
             return bits.view(dtype).mul_(multiplier)
-    return torch.take(_code_values(fp8_dtype, dtype), raw.to(torch.int64))
+    index, table = raw.to(torch.int64), _code_values(fp8_dtype, dtype)
+    if index.is_contiguous():
+        return torch.take(table, index)
+    # keep the input's layout, as the conversion does: the CPU GEMM's rounding depends on its operands' strides
+    return torch.take(table, index, out=torch.empty_like(index, dtype=dtype))
