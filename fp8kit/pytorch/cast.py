@@ -75,16 +75,25 @@ def scale_from_amax(
     """`scaled_max / amax` in float32 where amax is finite and > 0, else `fallback`; the quotient is clamped to
     [SCALE_MIN, FLT_MAX] (an infinite one becomes FLT_MAX); optionally rounded down to a power of two. Works
     elementwise on any shape."""
-    numerator = torch.full_like(amax_value, scaled_max)
+    scale = scale_quotient(amax_value, torch.full_like(amax_value, scaled_max), power_2)
+    return torch.where(amax_usable(amax_value), scale, fallback)
+
+
+def amax_usable(amax_value: torch.Tensor) -> torch.Tensor:
+    """Where a scale is made from the amax: finite and > 0 (`0 < amax < inf`, false for NaN)."""
+    return (amax_value > 0) & (amax_value < math.inf)
+
+
+def scale_quotient(amax_value: torch.Tensor, numerator: torch.Tensor, power_2: bool = False) -> torch.Tensor:
+    """`numerator / amax` (numerator: float32 holding the scaled max, broadcasting against the amax) as one true
+    float32 division, clamped to [SCALE_MIN, FLT_MAX], optionally rounded down to a power of two: the scale of
+    every amax that `amax_usable` accepts (meaningless elsewhere: NaN stays NaN)."""
     scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)
     if torch.compiler.is_compiling():  # literals, not module globals (see fp8_max_of)
         scale = scale.clamp_(2.0 ** -63, float(torch.finfo(torch.float32).max))
     else:
-        scale = scale.clamp_(SCALE_MIN, FLT_MAX)  # NaN stays NaN and is masked below
-    if power_2:
-        scale = round_down_pow2(scale)
-    ok = torch.isfinite(amax_value) & (amax_value > 0)
-    return torch.where(ok, scale, fallback)
+        scale = scale.clamp_(SCALE_MIN, FLT_MAX)
+    return round_down_pow2(scale) if power_2 else scale
 
 
 def current_scale(

@@ -16,7 +16,7 @@ import torch
 
 from ..recipe import DelayedScaling
 from . import host, kernels
-from .cast import scale_from_amax
+from .cast import amax_usable, scale_from_amax, scale_quotient
 
 
 class ScalingState:
@@ -319,13 +319,59 @@ def compute_update(
             if recompute is not None:
                 new_scale = torch.where(recompute, new_scale, scale)
         return new_history, new_scale
-    used = last != 0
-    amax = last if recipe.amax_compute_algo == "most_recent" else _nan_ignoring_max(history)
-    new_scale = scale_from_amax(amax, scaled_max, scale, recipe.power_2_scale)
-    keep_scale = ~used if recompute is None else ~(used & recompute)
-    new_scale = torch.where(keep_scale, scale, new_scale)
-    new_history = torch.where(used, _rolled(history), history)
-    return new_history, new_scale
+    work = UpdateBuffers(history.clone(), scale.clone())
+    update_in_place(work, recipe, fp8_max, work.last != 0, recompute)
+    return work.history, work.scale
+
+
+class UpdateBuffers:
+    """What `update_in_place` works on, as views made once (a flat buffer keeps them between updates, so that the
+    update dispatches no view operations): the history `[L, N]`, its staging row and rows 1.., the scale `[N]`, and a
+    work buffer `[L, N]` (the rolled history, then the amax operand) with its views."""
+
+    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "_numerator")
+
+    def __init__(self, history: torch.Tensor, scale: torch.Tensor):
+        self.history, self.scale = history, scale
+        self.last, self.tail = history[0], history[1:]
+        self.parts = (self.tail, history[:1])
+        self.work = torch.empty_like(history)
+        self.work_tail, self.work_last = self.work[1:], self.work[-1]
+        self._numerator = (None, None)
+
+    def numerator(self, scaled_max: float) -> torch.Tensor:
+        """A 0-d float32 tensor holding `scaled_max` (kept while the value stays the same)."""
+        value, tensor = self._numerator
+        if value != scaled_max:
+            tensor = torch.tensor(scaled_max, dtype=torch.float32, device=self.scale.device)
+            self._numerator = (scaled_max, tensor)
+        return tensor
+
+
+def update_in_place(work: UpdateBuffers, recipe: DelayedScaling, fp8_max: float, used: torch.Tensor,
+                    recompute: Optional[torch.Tensor] = None) -> None:
+    """The update of recipes without callables, written into `work.history` and `work.scale`: the values
+    `compute_update` returns. `used`: bool `[N]`, the staging row != 0 (NaN counts as used), taken before the call.
+
+    Passes over the `[L, N]` history: the rolled copy (one read, one write), the choice between it and the old rows
+    for rows 1.. (two reads, one write), and with `amax_compute_algo="max"` NaN -> 0 on the copy in place (a read and
+    a write) and its column maximum (a read). A column that was not used keeps its history and its scale."""
+    # every old row, rolled up by one: work[i] = history[i + 1], work[L - 1] = the staging row
+    rolled = torch.cat(work.parts, out=work.work)
+    torch.where(used, work.work_tail, work.tail, out=work.tail)  # same-index aliasing only: exact
+    work.last.masked_fill_(used, 0)
+    if recipe.amax_compute_algo == "most_recent":
+        amax = work.work_last  # the staging row
+        ok = amax_usable(amax)  # implies used
+    else:
+        # the NaN-ignoring max over every old row: NaN -> 0, +inf -> NaN, so that a column holding +inf gives NaN,
+        # which `> 0` refuses as it refuses inf (an all-NaN column gives 0: refused too)
+        amax = rolled.nan_to_num_(nan=0.0, posinf=math.nan, neginf=-math.inf).amax(dim=0)
+        ok = (amax > 0) & used
+    if recompute is not None:
+        ok &= recompute
+    quotient = scale_quotient(amax, work.numerator(recipe.scaled_max(fp8_max)), recipe.power_2_scale)
+    torch.where(ok, quotient, work.scale, out=work.scale)
 
 
 _COLUMN_OWNERS: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
@@ -388,9 +434,12 @@ def _update_with_tensors(states: List[ScalingState], recipe: DelayedScaling, fp8
     recompute = None
     if recipe.interval > 1:
         recompute = (counts % recipe.interval == 0)[owners]
-    new_history, new_scale = compute_update(history, scale, recipe, fp8_max, recompute)
-    torch._foreach_copy_([s.amax_history for s in states], list(new_history.split(sizes, dim=1)))
-    torch._foreach_copy_([s.scale for s in states], list(new_scale.split(sizes)))
+    if recipe.uses_callables:
+        history, scale = compute_update(history, scale, recipe, fp8_max, recompute)
+    else:
+        update_in_place(UpdateBuffers(history, scale), recipe, fp8_max, used != 0, recompute)
+    torch._foreach_copy_([s.amax_history for s in states], list(history.split(sizes, dim=1)))
+    torch._foreach_copy_([s.scale for s in states], list(scale.split(sizes)))
     torch._foreach_copy_([s.count for s in states], list((counts + takes_part.to(torch.int64)).unbind()))
 
 
