@@ -327,9 +327,11 @@ def compute_update(
 class UpdateBuffers:
     """What `update_in_place` works on, as views made once (a flat buffer keeps them between updates, so that the
     update dispatches no view operations): the history `[L, N]`, its staging row and rows 1.., the scale `[N]`, and a
-    work buffer `[L, N]` (the rolled history, then the amax operand) with its views."""
+    work buffer `[L, N]` (the rolled history, then the amax operand) with its views, and one `[N]` for the new
+    scales."""
 
-    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "_numerator")
+    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "quotient",
+                 "_numerator")
 
     def __init__(self, history: torch.Tensor, scale: torch.Tensor):
         self.history, self.scale = history, scale
@@ -337,6 +339,8 @@ class UpdateBuffers:
         self.parts = (self.tail, history[:1])
         self.work = torch.empty_like(history)
         self.work_tail, self.work_last = self.work[1:], self.work[-1]
+        quotient = torch.empty_like(scale)
+        self.quotient = (quotient, quotient.view(torch.int32))  # the new scales before the choice
         self._numerator = (None, None)
 
     def numerator(self, scaled_max: float) -> torch.Tensor:
@@ -370,7 +374,8 @@ def update_in_place(work: UpdateBuffers, recipe: DelayedScaling, fp8_max: float,
         ok = (amax > 0) & used
     if recompute is not None:
         ok &= recompute
-    quotient = scale_quotient(amax, work.numerator(recipe.scaled_max(fp8_max)), recipe.power_2_scale)
+    quotient = scale_quotient(amax, work.numerator(recipe.scaled_max(fp8_max)), recipe.power_2_scale,
+                              work.quotient)
     torch.where(ok, quotient, work.scale, out=work.scale)
 
 
