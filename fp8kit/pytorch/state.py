@@ -431,21 +431,30 @@ def _update_with_tensors(states: List[ScalingState], recipe: DelayedScaling, fp8
     scale = torch.cat([s.scale for s in states])
     counts = torch.stack([s.count for s in states])
     owners = _column_owners(sizes, device)
-    if recipe.uses_callables:
-        takes_part = torch.ones_like(counts, dtype=torch.bool)
-    else:
-        used = (history[0] != 0).to(torch.int64)
-        takes_part = torch.zeros_like(counts).index_add_(0, owners, used) > 0
-    recompute = None
-    if recipe.interval > 1:
-        recompute = (counts % recipe.interval == 0)[owners]
-    if recipe.uses_callables:
+    if recipe.uses_callables:  # every state takes part
+        recompute = (counts % recipe.interval == 0)[owners] if recipe.interval > 1 else None
         history, scale = compute_update(history, scale, recipe, fp8_max, recompute)
+        counts = counts + 1
     else:
-        update_in_place(UpdateBuffers(history, scale), recipe, fp8_max, used != 0, recompute)
+        work = UpdateBuffers(history, scale)
+        used = work.last != 0
+        recompute = advance_counters(counts, owners, used, recipe.interval)
+        update_in_place(work, recipe, fp8_max, used, recompute)
     torch._foreach_copy_([s.amax_history for s in states], list(history.split(sizes, dim=1)))
     torch._foreach_copy_([s.scale for s in states], list(scale.split(sizes)))
-    torch._foreach_copy_([s.count for s in states], list((counts + takes_part.to(torch.int64)).unbind()))
+    torch._foreach_copy_([s.count for s in states], list(counts.unbind()))
+
+
+def advance_counters(counts: torch.Tensor, owners: torch.Tensor, used: torch.Tensor,
+                     interval: int) -> Optional[torch.Tensor]:
+    """Add 1, in place, to the counter of each state with a used column (`owners[c]`: the state of column c; `used`:
+    bool per column), as the maximum over its columns of counter + used. Returns the `recompute` mask of
+    `update_in_place` (bool per column: the state's counter, before, is a multiple of `interval`), None for
+    interval 1."""
+    bumped = counts.index_select(0, owners)
+    recompute = bumped.remainder(interval) == 0 if interval > 1 else None
+    counts.scatter_reduce_(0, owners, bumped.add_(used), "amax")
+    return recompute
 
 
 def state_counts(states: Sequence[ScalingState]) -> List[int]:

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from . import host, kernels
-from .state import ScalingState, UpdateBuffers, update_in_place
+from .state import ScalingState, UpdateBuffers, advance_counters, update_in_place
 from .state import update_states as update_each
 
 __all__ = ["SlotBlock", "BlockScales", "place", "update_states", "whole_block", "note_ran", "flat_block",
@@ -224,12 +224,7 @@ class SlotBlock:
             work = self._work = self._views()
         buffers, counts, owners = work
         used = buffers.last != 0
-        # counter of state s += 1 when one of its columns was used: max over its columns of (counter + used)
-        bumped = counts.index_select(0, owners)
-        recompute = None
-        if recipe.interval > 1:
-            recompute = bumped.remainder(recipe.interval) == 0
-        counts.scatter_reduce_(0, owners, bumped.add_(used), "amax")
+        recompute = advance_counters(counts, owners, used, recipe.interval)
         if recipe.interval == 1 and kernels.enabled() and kernels.available(self.device):
             # one launch over the whole buffer: unused columns hold 0 staging values, which the rule leaves alone
             kernels.update_tensors([self.history], [self.scale], recipe, fp8_max)
