@@ -320,7 +320,7 @@ def compute_update(
                 new_scale = torch.where(recompute, new_scale, scale)
         return new_history, new_scale
     work = UpdateBuffers(history.clone(), scale.clone())
-    update_in_place(work, recipe, fp8_max, work.last != 0, recompute)
+    update_in_place(work, recipe, fp8_max, work.last != work.zero, recompute)
     return work.history, work.scale
 
 
@@ -330,7 +330,7 @@ class UpdateBuffers:
     work buffer `[L, N]` (the rolled history, then the amax operand) with its views, and one `[N]` for the new
     scales."""
 
-    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "quotient",
+    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "quotient", "zero",
                  "_numerator")
 
     def __init__(self, history: torch.Tensor, scale: torch.Tensor):
@@ -341,6 +341,7 @@ class UpdateBuffers:
         self.work_tail, self.work_last = self.work[1:], self.work[-1]
         quotient = torch.empty_like(scale)
         self.quotient = (quotient, quotient.view(torch.int32))  # the new scales before the choice
+        self.zero = torch.zeros((), dtype=torch.float32, device=scale.device)  # compared with: no scalar to wrap
         self._numerator = (None, None)
 
     def numerator(self, scaled_max: float) -> torch.Tensor:
@@ -371,7 +372,7 @@ def update_in_place(work: UpdateBuffers, recipe: DelayedScaling, fp8_max: float,
         # the NaN-ignoring max over every old row: NaN -> 0, +inf -> NaN, so that a column holding +inf gives NaN,
         # which `> 0` refuses as it refuses inf (an all-NaN column gives 0: refused too)
         amax = rolled.nan_to_num_(nan=0.0, posinf=math.nan, neginf=-math.inf).amax(dim=0)
-        ok = (amax > 0) & used
+        ok = (amax > work.zero) & used
     if recompute is not None:
         ok &= recompute
     quotient = scale_quotient(amax, work.numerator(recipe.scaled_max(fp8_max)), recipe.power_2_scale,
@@ -437,7 +438,7 @@ def _update_with_tensors(states: List[ScalingState], recipe: DelayedScaling, fp8
         counts = counts + 1
     else:
         work = UpdateBuffers(history, scale)
-        used = work.last != 0
+        used = work.last != work.zero
         recompute = advance_counters(counts, owners, used, recipe.interval)
         update_in_place(work, recipe, fp8_max, used, recompute)
     torch._foreach_copy_([s.amax_history for s in states], list(history.split(sizes, dim=1)))

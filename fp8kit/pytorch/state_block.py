@@ -223,7 +223,7 @@ class SlotBlock:
         if work is None:
             work = self._work = self._views()
         buffers, counts, owners = work
-        used = buffers.last != 0
+        used = buffers.last != buffers.zero
         recompute = advance_counters(counts, owners, used, recipe.interval)
         if recipe.interval == 1 and kernels.enabled() and kernels.available(self.device):
             # one launch over the whole buffer: unused columns hold 0 staging values, which the rule leaves alone
