@@ -79,19 +79,14 @@ def scale_from_amax(
     [SCALE_MIN, FLT_MAX] (an infinite one becomes FLT_MAX); optionally rounded down to a power of two. Works
     elementwise on any shape."""
     scale = scale_quotient(amax_value, torch.full_like(amax_value, scaled_max), power_2)
-    return torch.where(amax_usable(amax_value), scale, fallback)
-
-
-def amax_usable(amax_value: torch.Tensor) -> torch.Tensor:
-    """Where a scale is made from the amax: finite and > 0 (`0 < amax < inf`, false for NaN)."""
-    return (amax_value > 0) & (amax_value < math.inf)
+    return torch.where((amax_value > 0) & (amax_value < math.inf), scale, fallback)  # finite, > 0 (not NaN)
 
 
 def scale_quotient(amax_value: torch.Tensor, numerator: torch.Tensor, power_2: bool = False,
                    out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """`numerator / amax` (numerator: float32 holding the scaled max, broadcasting against the amax) as one true
     float32 division, clamped to [SCALE_MIN, FLT_MAX], optionally rounded down to a power of two: the scale of
-    every amax that `amax_usable` accepts (meaningless elsewhere: NaN stays NaN). `out`: a float32 tensor of the
+    every finite amax > 0 (meaningless elsewhere: NaN stays NaN). `out`: a float32 tensor of the
     result's shape and its int32 view, written in place (the rounding too)."""
     if out is None:
         scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)

@@ -223,13 +223,13 @@ class SlotBlock:
         if work is None:
             work = self._work = self._views()
         buffers, counts, owners = work
-        used = buffers.last != buffers.zero
-        recompute = advance_counters(counts, owners, used, recipe.interval)
+        buffers.mark_used()
+        recompute = advance_counters(counts, owners, buffers, recipe.interval)
         if recipe.interval == 1 and kernels.enabled() and kernels.available(self.device):
             # one launch over the whole buffer: unused columns hold 0 staging values, which the rule leaves alone
             kernels.update_tensors([self.history], [self.scale], recipe, fp8_max)
             return
-        update_in_place(buffers, recipe, fp8_max, used, recompute)
+        update_in_place(buffers, recipe, fp8_max, recompute)
 
     def _views(self) -> tuple:
         """(UpdateBuffers of the used columns, counters of the members, owners), made once per layout."""
