@@ -3,7 +3,9 @@ as column ranges of one history `[L, capacity]`, one scale `[capacity]` and one 
 
 A state registered eagerly is placed into its key's block (its tensors become views of the block's columns), so that
 the batched update at autocast exit (and after the last backward) is a few whole-buffer operations whatever the
-number of modules: no per-state slicing, concatenation or copying back (SPEC section 6). States registered while
+number of modules: no per-state slicing, concatenation or copying back (SPEC section 6). The update runs in place
+(`state.update_in_place`) on views and buffers the block makes once per layout, among them a work buffer of the
+history's size (the rolled copy the update needs): it allocates nothing at exit but the recompute snapshot below. States registered while
 torch.compile traces or a graph is captured stay on their own tensors (`ScalingState` as before) and take the
 general path of `state.update_states`; a block a captured graph uses is pinned: it never moves its tensors again.
 
