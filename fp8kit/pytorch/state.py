@@ -338,8 +338,7 @@ class UpdateBuffers:
         self.history, self.scale = history, scale
         self.last, self.tail = history[0], history[1:]
         self.parts = (self.tail, history[:1])
-        self.work = torch.empty_like(history)
-        self.work_tail, self.work_last = self.work[1:], self.work[-1]
+        self.work = self.work_tail = self.work_last = None  # made at the first `update_in_place` (not by kernels)
         self.used = torch.empty_like(scale, dtype=torch.bool)
         self.bumped = torch.empty_like(scale, dtype=torch.int64)
         self.amax, self.ok = torch.empty_like(scale), torch.empty_like(scale, dtype=torch.bool)
@@ -347,6 +346,10 @@ class UpdateBuffers:
         self.quotient = (quotient, quotient.view(torch.int32))  # the new scales before the choice
         self.zero = torch.zeros((), dtype=torch.float32, device=scale.device)  # compared with: no scalar to wrap
         self._numerator = (None, None)
+
+    def make_work(self) -> None:
+        self.work = torch.empty_like(self.history)
+        self.work_tail, self.work_last = self.work[1:], self.work[-1]
 
     def mark_used(self) -> torch.Tensor:
         """`used`: the staging row != 0 (NaN counts as used), before the update."""
@@ -382,6 +385,8 @@ def update_in_place(work: UpdateBuffers, recipe: DelayedScaling, fp8_max: float,
     for rows 1.. (two reads, one write), and with `amax_compute_algo="max"` NaN -> 0 on the copy in place (a read and
     a write) and its column maximum (a read). A column that was not used keeps its history and its scale."""
     used = work.used
+    if work.work is None:
+        work.make_work()
     # every old row, rolled up by one: work[i] = history[i + 1], work[L - 1] = the staging row
     rolled = torch.cat(work.parts, out=work.work)
     torch.where(used, work.work_tail, work.tail, out=work.tail)  # same-index aliasing only: exact
