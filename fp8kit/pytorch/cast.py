@@ -7,7 +7,7 @@ One convention everywhere: `q = saturate(float32(x) * scale)` rounded to nearest
 from __future__ import annotations
 
 import math
-from typing import Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -71,9 +71,12 @@ def _device_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(clean, math.inf, dtype=torch.float32)
 
 
+POW2_BITS = 0x7F800000  # the exponent bits of a float32
+
+
 def round_down_pow2(scale: torch.Tensor) -> torch.Tensor:
     """Clear the 23 mantissa bits of float32 scales (normal and positive, as `scale_from_amax` makes them)."""
-    return (scale.view(torch.int32) & 0x7F800000).view(torch.float32)
+    return (scale.view(torch.int32) & POW2_BITS).view(torch.float32)
 
 
 def scale_from_amax(
@@ -82,16 +85,30 @@ def scale_from_amax(
     """`scaled_max / amax` in float32 where amax is finite and > 0, else `fallback`; the quotient is clamped to
     [SCALE_MIN, FLT_MAX] (an infinite one becomes FLT_MAX); optionally rounded down to a power of two. Works
     elementwise on any shape."""
-    numerator = torch.full_like(amax_value, scaled_max)
-    scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)
+    scale = scale_quotient(amax_value, torch.full_like(amax_value, scaled_max), power_2)
+    return torch.where((amax_value > 0) & (amax_value < math.inf), scale, fallback)  # finite, > 0 (not NaN)
+
+
+def scale_quotient(amax_value: torch.Tensor, numerator: torch.Tensor, power_2: bool = False,
+                   out: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+    """`numerator / amax` (numerator: float32 holding the scaled max, broadcasting against the amax) as one true
+    float32 division, clamped to [SCALE_MIN, FLT_MAX], optionally rounded down to a power of two: the scale of
+    every finite amax > 0 (meaningless elsewhere: NaN stays NaN). `out`: a float32 tensor of the
+    result's shape and its int32 view, written in place (the rounding too)."""
+    if out is None:
+        scale = torch.div(numerator, amax_value)  # true float32 division (Tensor.__rtruediv__ would round twice)
+    else:
+        scale = torch.div(numerator, amax_value, out=out[0])
     if torch.compiler.is_compiling():  # literals, not module globals (see fp8_max_of)
         scale = scale.clamp_(2.0 ** -63, float(torch.finfo(torch.float32).max))
     else:
-        scale = scale.clamp_(SCALE_MIN, FLT_MAX)  # NaN stays NaN and is masked below
-    if power_2:
-        scale = round_down_pow2(scale)
-    ok = torch.isfinite(amax_value) & (amax_value > 0)
-    return torch.where(ok, scale, fallback)
+        scale = scale.clamp_(SCALE_MIN, FLT_MAX)
+    if not power_2:
+        return scale
+    if out is None:
+        return round_down_pow2(scale)
+    out[1].bitwise_and_(POW2_BITS)
+    return scale
 
 
 def current_scale(

@@ -16,7 +16,7 @@ import torch
 
 from ..recipe import DelayedScaling
 from . import host, kernels
-from .cast import scale_from_amax
+from .cast import scale_from_amax, scale_quotient
 
 
 class ScalingState:
@@ -319,13 +319,94 @@ def compute_update(
             if recompute is not None:
                 new_scale = torch.where(recompute, new_scale, scale)
         return new_history, new_scale
-    used = last != 0
-    amax = last if recipe.amax_compute_algo == "most_recent" else _nan_ignoring_max(history)
-    new_scale = scale_from_amax(amax, scaled_max, scale, recipe.power_2_scale)
-    keep_scale = ~used if recompute is None else ~(used & recompute)
-    new_scale = torch.where(keep_scale, scale, new_scale)
-    new_history = torch.where(used, _rolled(history), history)
-    return new_history, new_scale
+    work = UpdateBuffers(history.clone(), scale.clone())
+    work.mark_used()
+    update_in_place(work, recipe, fp8_max, recompute)
+    return work.history, work.scale
+
+
+class UpdateBuffers:
+    """What `update_in_place` works on, made once (a flat buffer keeps them between updates, so that the update
+    dispatches no view operations and allocates nothing): the history `[L, N]` with its staging row and rows 1..,
+    the scale `[N]`, a work buffer `[L, N]` (the rolled history, then the amax operand) with its views, and `[N]`
+    buffers for the used mask, the counters per column, the amax, the mask of changing scales and the new scales."""
+
+    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "used", "bumped",
+                 "amax", "ok", "quotient", "zero", "_numerator")
+
+    def __init__(self, history: torch.Tensor, scale: torch.Tensor):
+        self.history, self.scale = history, scale
+        self.last, self.tail = history[0], history[1:]
+        self.parts = (self.tail, history[:1])
+        self.work = self.work_tail = self.work_last = None  # made at the first `update_in_place` (not by kernels)
+        self.used = torch.empty_like(scale, dtype=torch.bool)
+        self.bumped = torch.empty_like(scale, dtype=torch.int64)
+        self.amax, self.ok = torch.empty_like(scale), torch.empty_like(scale, dtype=torch.bool)
+        quotient = torch.empty_like(scale)
+        self.quotient = (quotient, quotient.view(torch.int32))  # the new scales before the choice
+        self.zero = torch.zeros((), dtype=torch.float32, device=scale.device)  # compared with: no scalar to wrap
+        self._numerator = (None, None)
+
+    def make_work(self) -> None:
+        self.work = torch.empty_like(self.history)
+        self.work_tail, self.work_last = self.work[1:], self.work[-1]
+
+    def mark_used(self) -> torch.Tensor:
+        """`used`: the staging row != 0 (NaN counts as used), before the update."""
+        return torch.ne(self.last, self.zero, out=self.used)
+
+    def numerator(self, scaled_max: float) -> torch.Tensor:
+        """A 0-d float32 tensor holding `scaled_max` (kept while the value stays the same)."""
+        value, tensor = self._numerator
+        if value != scaled_max:
+            tensor = torch.tensor(scaled_max, dtype=torch.float32, device=self.scale.device)
+            self._numerator = (scaled_max, tensor)
+        return tensor
+
+
+def advance_counters(counts: torch.Tensor, owners: torch.Tensor, work: UpdateBuffers,
+                     interval: int) -> Optional[torch.Tensor]:
+    """Add 1, in place, to the counter of each state with a used column (`owners[c]`: the state of column c;
+    `work.used` marked), as the maximum over its columns of counter + used. Returns the `recompute` mask of
+    `update_in_place` (bool per column: the state's counter, before, is a multiple of `interval`), None for
+    interval 1."""
+    bumped = torch.index_select(counts, 0, owners, out=work.bumped)
+    recompute = bumped.remainder(interval) == 0 if interval > 1 else None
+    counts.scatter_reduce_(0, owners, bumped.add_(work.used), "amax")
+    return recompute
+
+
+def update_in_place(work: UpdateBuffers, recipe: DelayedScaling, fp8_max: float,
+                    recompute: Optional[torch.Tensor] = None) -> None:
+    """The update of recipes without callables, written into `work.history` and `work.scale`: the values
+    `compute_update` returns. `work.used` is marked before the call (`mark_used`).
+
+    Passes over the `[L, N]` history: the rolled copy (one read, one write), the choice between it and the old rows
+    for rows 1.. (two reads, one write), and with `amax_compute_algo="max"` NaN -> 0 on the copy in place (a read and
+    a write) and its column maximum (a read). A column that was not used keeps its history and its scale."""
+    used = work.used
+    if work.work is None:
+        work.make_work()
+    # every old row, rolled up by one: work[i] = history[i + 1], work[L - 1] = the staging row
+    rolled = torch.cat(work.parts, out=work.work)
+    torch.where(used, work.work_tail, work.tail, out=work.tail)  # same-index aliasing only: exact
+    work.last.masked_fill_(used, 0)
+    if recipe.amax_compute_algo == "most_recent":
+        amax = work.work_last  # the staging row
+        ok = torch.gt(amax, work.zero, out=work.ok)
+        ok &= amax < math.inf  # finite and > 0 (false for NaN): implies used
+    else:
+        # the NaN-ignoring max over every old row: NaN -> 0, +inf -> NaN, so that a column holding +inf gives NaN,
+        # which `> 0` refuses as it refuses inf (an all-NaN column gives 0: refused too)
+        rolled.nan_to_num_(nan=0.0, posinf=math.nan, neginf=-math.inf)
+        amax = torch.amax(rolled, dim=0, out=work.amax)
+        ok = torch.gt(amax, work.zero, out=work.ok)
+        ok &= used
+    if recompute is not None:
+        ok &= recompute
+    quotient = scale_quotient(amax, work.numerator(recipe.scaled_max(fp8_max)), recipe.power_2_scale,
+                              work.quotient)
+    torch.where(ok, quotient, work.scale, out=work.scale)
 
 
 _COLUMN_OWNERS: Dict[Tuple[str, Tuple[int, ...]], torch.Tensor] = {}
@@ -380,18 +461,18 @@ def _update_with_tensors(states: List[ScalingState], recipe: DelayedScaling, fp8
     scale = torch.cat([s.scale for s in states])
     counts = torch.stack([s.count for s in states])
     owners = _column_owners(sizes, device)
-    if recipe.uses_callables:
-        takes_part = torch.ones_like(counts, dtype=torch.bool)
+    if recipe.uses_callables:  # every state takes part
+        recompute = (counts % recipe.interval == 0)[owners] if recipe.interval > 1 else None
+        history, scale = compute_update(history, scale, recipe, fp8_max, recompute)
+        counts = counts + 1
     else:
-        used = (history[0] != 0).to(torch.int64)
-        takes_part = torch.zeros_like(counts).index_add_(0, owners, used) > 0
-    recompute = None
-    if recipe.interval > 1:
-        recompute = (counts % recipe.interval == 0)[owners]
-    new_history, new_scale = compute_update(history, scale, recipe, fp8_max, recompute)
-    torch._foreach_copy_([s.amax_history for s in states], list(new_history.split(sizes, dim=1)))
-    torch._foreach_copy_([s.scale for s in states], list(new_scale.split(sizes)))
-    torch._foreach_copy_([s.count for s in states], list((counts + takes_part.to(torch.int64)).unbind()))
+        work = UpdateBuffers(history, scale)
+        work.mark_used()
+        recompute = advance_counters(counts, owners, work, recipe.interval)
+        update_in_place(work, recipe, fp8_max, recompute)
+    torch._foreach_copy_([s.amax_history for s in states], list(history.split(sizes, dim=1)))
+    torch._foreach_copy_([s.scale for s in states], list(scale.split(sizes)))
+    torch._foreach_copy_([s.count for s in states], list(counts.unbind()))
 
 
 def state_counts(states: Sequence[ScalingState]) -> List[int]:

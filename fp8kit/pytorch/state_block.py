@@ -3,9 +3,12 @@ as column ranges of one history `[L, capacity]`, one scale `[capacity]` and one 
 
 A state registered eagerly is placed into its key's block (its tensors become views of the block's columns), so that
 the batched update at autocast exit (and after the last backward) is a few whole-buffer operations whatever the
-number of modules: no per-state slicing, concatenation or copying back (SPEC section 6). States registered while
-torch.compile traces or a graph is captured stay on their own tensors (`ScalingState` as before) and take the
-general path of `state.update_states`; a block a captured graph uses is pinned: it never moves its tensors again.
+number of modules: no per-state slicing, concatenation or copying back (SPEC section 6). The update runs in place
+(`state.update_in_place`) on views and buffers the block makes once per layout, among them a work buffer of the
+history's size (the rolled copy the torch update needs): it allocates nothing at exit but the recompute snapshot
+below. States registered while torch.compile traces or a graph is captured stay on their own tensors
+(`ScalingState` as before) and take the general path of `state.update_states`; a block a captured graph uses is
+pinned: it never moves its tensors again.
 
 A state leaves its block (keeping its values in tensors of its own) when its tensors are replaced: `.to()` onto
 another device, a history of another shape, a copy.
@@ -24,7 +27,7 @@ import numpy as np
 import torch
 
 from . import host, kernels
-from .state import ScalingState, compute_update
+from .state import ScalingState, UpdateBuffers, advance_counters, update_in_place
 from .state import update_states as update_each
 
 __all__ = ["SlotBlock", "BlockScales", "place", "update_states", "whole_block", "note_ran", "flat_block",
@@ -72,6 +75,7 @@ class SlotBlock:
         self.pinned = False  # a captured graph holds the tensors' addresses
         self._owners: Optional[torch.Tensor] = None
         self._numpy = None
+        self._work: Optional[tuple] = None  # (UpdateBuffers, counters, owners) of the used columns, made once
         self._scales: Optional[BlockScales] = None
         self._left: set = set()  # member indices whose state left the block
         self._allocate(_FIRST_COLUMNS, 16)
@@ -89,7 +93,7 @@ class SlotBlock:
                 self.history[:, :used].copy_(old[0][:, :used])
                 self.scale[:used].copy_(old[1][:used])
                 self.count[:len(self.members)].copy_(old[2][:len(self.members)])
-        self._numpy = None
+        self._numpy = self._work = None
         for index, (ref, start, n) in enumerate(self.members):
             state = ref()
             if state is not None and state._block is self:
@@ -155,7 +159,7 @@ class SlotBlock:
         self.members.append((weakref.ref(state, self._died), start, n))
         self.attached += 1
         self._owners = None
-        self._numpy = None
+        self._numpy = self._work = None
         self._point(state, index, start, n)
         return True
 
@@ -196,7 +200,8 @@ class SlotBlock:
         """Before the scales change in place: records made since the last update keep the current values."""
         found = self._scales
         if found is not None:
-            found.saved = self.scale[:self.columns].clone()
+            work = self._work
+            found.saved = (work[0].scale if work is not None else self.scale[:self.columns]).clone()
             self._scales = None
 
     # ---- the update ----
@@ -217,24 +222,29 @@ class SlotBlock:
         if host.active(self.device):
             self._update_host(recipe, fp8_max)
             return
-        columns, states = self.columns, len(self.members)
-        full = columns == self.scale.shape[0]
-        history = self.history if full else self.history[:, :columns]
-        scale = self.scale if full else self.scale[:columns]
-        counts = self.count if states == self.count.shape[0] else self.count[:states]
-        owners = self.owners()
-        used = (history[0] != 0).to(torch.int64)
-        takes_part = torch.zeros_like(counts).index_add_(0, owners, used) > 0
+        work = self._work
+        if work is None:
+            work = self._work = self._views()
+        buffers, counts, owners = work
+        buffers.mark_used()
+        recompute = advance_counters(counts, owners, buffers, recipe.interval)
         if recipe.interval == 1 and kernels.enabled() and kernels.available(self.device):
             # one launch over the whole buffer: unused columns hold 0 staging values, which the rule leaves alone
             kernels.update_tensors([self.history], [self.scale], recipe, fp8_max)
-            counts.add_(takes_part)
             return
-        recompute = (counts % recipe.interval == 0)[owners] if recipe.interval > 1 else None
-        new_history, new_scale = compute_update(history, scale, recipe, fp8_max, recompute)
-        history.copy_(new_history)
-        scale.copy_(new_scale)
-        counts.add_(takes_part)
+        if buffers.work is None:
+            with torch.inference_mode(False):
+                buffers.make_work()
+        update_in_place(buffers, recipe, fp8_max, recompute)
+
+    def _views(self) -> tuple:
+        """(UpdateBuffers of the used columns, counters of the members, owners), made once per layout."""
+        columns, states = self.columns, len(self.members)
+        with torch.inference_mode(False):
+            history = self.history if columns == self.scale.shape[0] else self.history[:, :columns]
+            scale = self.scale if columns == self.scale.shape[0] else self.scale[:columns]
+            counts = self.count if states == self.count.shape[0] else self.count[:states]
+            return UpdateBuffers(history, scale), counts, self.owners()
 
     def _update_host(self, recipe, fp8_max: float) -> None:
         views = self._numpy
