@@ -20,15 +20,6 @@ import reference as ref
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, the condition under which large 16-bit tensors take the table cast."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def _every_bf16(rows: int, cols: int) -> torch.Tensor:
     """Every bf16 bit pattern (NaN, inf, -0 and subnormals included), repeated, shifted by 7, as [rows, cols]."""
     n = rows * cols
