@@ -42,8 +42,8 @@ class DeferredBytesStorage(Float8TensorStorage):
     def _data(self) -> Optional[torch.Tensor]:
         data = self._bytes
         if data is None and self._pending is not None:
-            make, self._pending = self._pending, None
-            data = self._bytes = make()
+            data = self._pending()  # may raise (a changed source): then every later read raises too
+            self._bytes, self._pending = data, None
         return data
 
     @_data.setter
