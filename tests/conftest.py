@@ -74,3 +74,14 @@ def four_rank_run(request):
     from dist_launch import launch_checks
 
     return launch_checks(4, _selected_checks(request.session, "four_rank_run"))
+
+
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, the condition under which large 16-bit tensors take the table cast (CPU)."""
+    import torch  # here: the JAX settings above come first
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

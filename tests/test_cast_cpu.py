@@ -23,15 +23,6 @@ import reference as ref
 FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, the condition under which large 16-bit tensors take the table cast."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class _Ops(TorchDispatchMode):
     def __init__(self):
         super().__init__()

@@ -14,6 +14,7 @@ import torch
 from ..recipe import FLT_MAX, SCALE_MIN
 from . import host
 from .tensor import lookup
+from .tensor.deferred import DeferredBytesStorage
 from .tensor.storage import Float8TensorStorage, widen
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -198,13 +199,17 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8
 
 
 def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float,
-              nan_free: bool = False) -> Float8TensorStorage:
+              nan_free: bool = False, defer_bytes: bool = False) -> Float8TensorStorage:
     """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
     `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s. `nan_free`: the caller knows
     x holds no NaN (`host.amax_nan`), so the saturated bytes hold no NaN or inf code either, which the CPU GEMM's
-    widening then need not check."""
+    widening then need not check. `defer_bytes`: where the table cast gives the widened values (a large bf16 x),
+    make the bytes only when first read (`tensor.deferred`; the backward's grad_output, which the GEMMs read as
+    values only); x must not be modified in place until then."""
     values = None
     if x.dtype in _TABLE_DTYPES and x.numel() >= TABLE_MIN_NUMEL and torch.get_num_threads() == 1:
+        if defer_bytes and x.dtype == torch.bfloat16 and not x.is_inference():
+            return _deferred_cast_by_table(x, scale, fp8_dtype, nan_free)
         data, values = _cast_by_table(x, scale, fp8_dtype)
     else:
         # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no
@@ -241,23 +246,53 @@ def _patterns(dtype: torch.dtype):
     return found
 
 
-def _cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
-    """(`cast_to_fp8(x, scale, fp8_dtype)`, its values widened to bf16 or None) for a bf16/fp16 CPU tensor, by
-    65536-entry tables (see above)."""
+def _tables(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
+    """(the byte table as uint8, the widened-value table as int16 or None) of x's dtype for this scale and format."""
     patterns, nan_index, nan_bytes = _patterns(x.dtype)
     table = cast_to_fp8(patterns, scale, fp8_dtype)
     # NaN keeps its sign in its byte (0x7F / 0xFF, both formats), as tests/reference.py; torch's own conversion
     # gives either sign depending on where the element falls in its vector loop
     table.view(torch.uint8).index_put_((nan_index,), nan_bytes)
-    data = torch.empty(x.shape, dtype=fp8_dtype)
-    tables, outs = [table.view(torch.uint8)], [data.view(torch.uint8).view(-1)]
-    values = None
+    wide = None
     if x.dtype == torch.bfloat16:
-        values = torch.empty(x.shape, dtype=torch.bfloat16)
         # only the NaN patterns have NaN codes (the cast saturates): widen the rest by bits, then put NaN back
         wide = widen(table, torch.bfloat16, codes_finite=True).view(torch.int16)
         wide.index_put_((nan_index,), nan_bytes.to(torch.int16) << 8 | 0xC0)  # 0x7FC0 / 0xFFC0: NaN, its sign
+    return table.view(torch.uint8), wide
+
+
+def _cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
+    """(`cast_to_fp8(x, scale, fp8_dtype)`, its values widened to bf16 or None) for a bf16/fp16 CPU tensor, by
+    65536-entry tables (see above)."""
+    table, wide = _tables(x, scale, fp8_dtype)
+    data = torch.empty(x.shape, dtype=fp8_dtype)
+    tables, outs = [table], [data.view(torch.uint8).view(-1)]
+    values = None
+    if wide is not None:
+        values = torch.empty(x.shape, dtype=torch.bfloat16)
         tables.append(wide)
         outs.append(values.view(torch.int16).view(-1))
     lookup.gather(x.reshape(-1).view(torch.uint16), tables, outs)
     return data, values
+
+
+def _deferred_cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype,
+                            nan_free: bool) -> DeferredBytesStorage:
+    """`_cast_by_table` of a bf16 x with the bytes left for their first read (`DeferredBytesStorage`): the values
+    now, the bytes later from the same table and codes, unless x was modified in place in between (an error)."""
+    table, wide = _tables(x, scale, fp8_dtype)
+    codes = x.reshape(-1).view(torch.uint16)
+    values = torch.empty(x.shape, dtype=torch.bfloat16)
+    lookup.gather(codes, [wide], [values.view(torch.int16).view(-1)])
+    version, shape = codes._version, x.shape
+
+    def make_bytes() -> torch.Tensor:
+        if codes._version != version:
+            raise RuntimeError("fp8kit: the tensor an FP8 grad_output was cast from was modified in place before "
+                               "its FP8 bytes were read (the CPU cast makes them on first read)")
+        data = torch.empty(shape, dtype=torch.uint8)
+        lookup.gather(codes, [table], [data.view(-1)])
+        return data
+
+    return DeferredBytesStorage.make(shape, fp8_dtype, values, make_bytes, x.dtype, host.reciprocal(scale),
+                                     nan_free)

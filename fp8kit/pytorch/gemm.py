@@ -88,7 +88,7 @@ def per_tensor_gemm(
 ) -> torch.Tensor:
     """The GEMM rule of per-tensor FP8 (`Float8TensorStorage`, delayed and current scaling):
     `(a @ b) * a.scale_inv * b.scale_inv (+ bias)` in `out_dtype`; a `[M, K]`, b `[K, N]`."""
-    if a._data.device.type == "cpu":
+    if a.device.type == "cpu":  # `device`, not `_data.device`: a DeferredBytesStorage makes no bytes for it
         if torch.compiler.is_compiling():  # the same code, as one opaque operation (it reads alpha on the host)
             return torch.ops.fp8kit.emulated_mm(a.fp8_view(), a.scale_inv, b.fp8_view(), b.scale_inv, bias, out_dtype)
         return emulated(a, b, out_dtype, bias)

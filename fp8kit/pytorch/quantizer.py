@@ -22,11 +22,12 @@ from .tensor.storage import Float8TensorStorage
 class DelayedQuantizer:
     """Casts with the slot's current scale and max-accumulates the tensor's amax into the staging row."""
 
-    __slots__ = ("state", "slot", "fp8_dtype", "stats")
+    __slots__ = ("state", "slot", "fp8_dtype", "stats", "defer_bytes")
 
-    def __init__(self, state: ScalingState, slot: int, fp8_dtype: torch.dtype):
+    def __init__(self, state: ScalingState, slot: int, fp8_dtype: torch.dtype, defer_bytes: bool = False):
         self.state, self.slot, self.fp8_dtype = state, slot, fp8_dtype
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
+        self.defer_bytes = defer_bytes  # see `cast_host`: the grad_output role, whose bytes the CPU GEMMs never read
 
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
@@ -34,7 +35,7 @@ class DelayedQuantizer:
             a, nan_free = host.amax_nan(x)
             self.state.record(self.slot, a)
             scale = float(self.state.host_views()[1][self.slot])
-            q = cast_host(x, scale, self.fp8_dtype, a, nan_free)
+            q = cast_host(x, scale, self.fp8_dtype, a, nan_free, self.defer_bytes)
             if self.stats is not None:
                 self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
                                   torch.scalar_tensor(a, dtype=torch.float32))
@@ -99,18 +100,20 @@ class FixedScaleQuantizer:
 class CurrentQuantizer:
     """Casts with `fp8_max / amax(x)` computed from the tensor itself (all-reduced over `group` if given)."""
 
-    __slots__ = ("fp8_dtype", "amax_epsilon", "power_2", "group", "stats")
+    __slots__ = ("fp8_dtype", "amax_epsilon", "power_2", "group", "stats", "defer_bytes")
 
-    def __init__(self, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0, power_2: bool = False, group=None):
+    def __init__(self, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0, power_2: bool = False, group=None,
+                 defer_bytes: bool = False):
         self.fp8_dtype, self.amax_epsilon, self.power_2, self.group = fp8_dtype, amax_epsilon, power_2, group
         self.stats = None  # optional fp8kit.pytorch.stats.RoleStats, set by the module when stats are on
+        self.defer_bytes = defer_bytes  # see `DelayedQuantizer`
 
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if self.group is None and host.active(x.device):
             a, nan_free = host.amax_nan(x)
             scale = host.current_scale(a, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2)
-            q = cast_host(x, scale, self.fp8_dtype, a, nan_free)
+            q = cast_host(x, scale, self.fp8_dtype, a, nan_free, self.defer_bytes)
             if self.stats is not None:
                 self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
                                   torch.scalar_tensor(a, dtype=torch.float32))

@@ -82,7 +82,7 @@ def _delayed_quantizers(call, gemm: int):
     fmt = call.frame.recipe.fp8_format.value
     fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
     fwd, bwd = call._states
-    grad_q = DelayedQuantizer(bwd, 2 * gemm, bwd_dtype)
+    grad_q = DelayedQuantizer(bwd, 2 * gemm, bwd_dtype, defer_bytes=True)
     if call.replay:
         scales = call.record.scales
         return FixedScaleQuantizer(scales[3 * gemm], fwd_dtype), \
@@ -105,8 +105,9 @@ def _current_quantizers(call, gemm: int):
     fwd_dtype, bwd_dtype = fp8_dtype_of(fmt.fwd), fp8_dtype_of(fmt.bwd)
     groups = call.module.current_scaling_groups(gemm)
     roles = (recipe.fp8_quant_fwd_inp, recipe.fp8_quant_fwd_weight, recipe.fp8_quant_bwd_grad)
-    return tuple(CurrentQuantizer(dtype, q.amax_epsilon, q.power_2_scale, group)
-                 for dtype, q, group in zip((fwd_dtype, fwd_dtype, bwd_dtype), roles, groups))
+    return tuple(CurrentQuantizer(dtype, q.amax_epsilon, q.power_2_scale, group, defer_bytes=grad)
+                 for dtype, q, group, grad in zip((fwd_dtype, fwd_dtype, bwd_dtype), roles, groups,
+                                                  (False, False, True)))
 
 
 def _current_plan(plan, recipe, module, call) -> None:

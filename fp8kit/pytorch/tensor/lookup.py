@@ -23,9 +23,9 @@ def gather(codes: torch.Tensor, tables: Sequence[torch.Tensor], outs: Sequence[t
     with an entry per code value, each out 1-D of `codes`' length and its table's dtype."""
     n = codes.numel()
     index = torch.empty(min(n, CHUNK), dtype=torch.int32)
-    for start in range(0, n, CHUNK):
-        stop = min(n, start + CHUNK)
-        part = index[:stop - start] if stop - start < CHUNK else index
-        part.copy_(codes[start:stop])
-        for table, out in zip(tables, outs):
-            torch.index_select(table, 0, part, out=out[start:stop])
+    # the chunk views made by `split` in one call each (slicing chunk by chunk in Python cost ~15 us a chunk)
+    for code_part, *out_parts in zip(codes.split(CHUNK), *(out.split(CHUNK) for out in outs)):
+        part = index if code_part.numel() == CHUNK else index[:code_part.numel()]
+        part.copy_(code_part)
+        for table, out in zip(tables, out_parts):
+            torch.index_select(table, 0, part, out=out)

@@ -120,7 +120,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
     def scale_inv(self) -> torch.Tensor:
         """float32 `[1]`, `float32(1 / scale)`."""
         if self._scale_inv is None:  # made by the CPU fast path from the float
-            self._scale_inv = torch.full((1,), self._scale_inv_value, dtype=torch.float32, device=self._data.device)
+            self._scale_inv = torch.full((1,), self._scale_inv_value, dtype=torch.float32, device=self.device)
         return self._scale_inv
 
     @property
