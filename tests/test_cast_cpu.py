@@ -199,9 +199,9 @@ def test_cached_fp8_weight_is_widened_once_across_microbatches(monkeypatch, one_
     monkeypatch.setattr(storage, "widen", spy)
     table_cast = cast_module._cast_by_table
 
-    def table_spy(x, scale, fp8_dtype):
+    def table_spy(x, scale, fp8_dtype, values=True):
         shapes.append(("table", tuple(x.shape)))
-        return table_cast(x, scale, fp8_dtype)
+        return table_cast(x, scale, fp8_dtype, values)
 
     monkeypatch.setattr(cast_module, "_cast_by_table", table_spy)
     for i, x in enumerate(xs):
@@ -338,3 +338,23 @@ def test_table_cast_only_with_one_thread(monkeypatch):
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_quantize_api_table_cast_makes_bytes_only(fmt, dtype, one_thread):
+    """`quantize` of a large 16-bit tensor (the table cast) gathers the bytes only, no GEMM operand: the bytes equal
+    the reference's with current scaling and with a given scale, and values made later decode them."""
+    fp8 = FORMATS[fmt]
+    x = torch.randn(cast_module.TABLE_MIN_NUMEL + 77, dtype=dtype) * 5
+    x[3], x[10] = float("nan"), -float("inf")
+    for scale in (None, 0.75):
+        q = quantize(x, fp8) if scale is None else quantize(x, fp8, scale)
+        s = np.float32(ref.current_scale(ref.amax(x.float().numpy()), FP8_MAX[fp8]) if scale is None else scale)
+        assert np.float32(q.scale_inv.item()) == np.float32(1 / s)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = ref.fp8_bytes(x.float().numpy() * s, fmt)  # NaN: 0x7F with its sign, both formats
+        np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
+        assert q._values is None  # nothing widened for a GEMM that is not there
+        decoded = want.view(ref.FP8[fmt][0]).astype(np.float32)
+        np.testing.assert_array_equal(q.values(torch.float32).numpy(), decoded)

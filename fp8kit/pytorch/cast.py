@@ -199,18 +199,19 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8
 
 
 def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value: float,
-              nan_free: bool = False, defer_bytes: bool = False) -> Float8TensorStorage:
+              nan_free: bool = False, defer_bytes: bool = False, values: bool = True) -> Float8TensorStorage:
     """`cast` on the CPU fast path (fp8kit.pytorch.host): `scale` a float32 value as a Python float and
     `amax_value` the tensor's NaN-ignoring amax. Bytes and scale_inv equal `cast`'s. `nan_free`: the caller knows
     x holds no NaN (`host.amax_nan`), so the saturated bytes hold no NaN or inf code either, which the CPU GEMM's
     widening then need not check. `defer_bytes`: where the table cast gives the widened values (a large bf16 x),
     make the bytes only when first read (`tensor.deferred`; the backward's grad_output, which the GEMMs read as
-    values only); x must not be modified in place until then."""
-    values = None
+    values only); x must not be modified in place until then. `values=False`: no GEMM follows (the quantize API), so
+    the table cast gathers the bytes only."""
+    widened = None
     if x.dtype in _TABLE_DTYPES and x.numel() >= TABLE_MIN_NUMEL and torch.get_num_threads() == 1:
         if defer_bytes and x.dtype == torch.bfloat16 and not x.is_inference():
             return _deferred_cast_by_table(x, scale, fp8_dtype, nan_free)
-        data, values = _cast_by_table(x, scale, fp8_dtype)
+        data, widened = _cast_by_table(x, scale, fp8_dtype, values)
     else:
         # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no
         # element needs the clamp (UNCLAMPED_MAX; current scaling's `amax * (max / amax)` can exceed max by an ulp).
@@ -219,7 +220,7 @@ def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value:
     # scale_inv is made from the float when asked
     q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
     q._codes_finite = nan_free
-    q._values = values
+    q._values = widened
     return q
 
 
@@ -246,34 +247,35 @@ def _patterns(dtype: torch.dtype):
     return found
 
 
-def _tables(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
-    """(the byte table as uint8, the widened-value table as int16 or None) of x's dtype for this scale and format."""
+def _tables(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, values: bool = True):
+    """(the byte table as uint8, the widened-value table as int16 or None) of x's dtype for this scale and format
+    (the latter for a bf16 x when `values`)."""
     patterns, nan_index, nan_bytes = _patterns(x.dtype)
     table = cast_to_fp8(patterns, scale, fp8_dtype)
     # NaN keeps its sign in its byte (0x7F / 0xFF, both formats), as tests/reference.py; torch's own conversion
     # gives either sign depending on where the element falls in its vector loop
     table.view(torch.uint8).index_put_((nan_index,), nan_bytes)
     wide = None
-    if x.dtype == torch.bfloat16:
+    if x.dtype == torch.bfloat16 and values:
         # only the NaN patterns have NaN codes (the cast saturates): widen the rest by bits, then put NaN back
         wide = widen(table, torch.bfloat16, codes_finite=True).view(torch.int16)
         wide.index_put_((nan_index,), nan_bytes.to(torch.int16) << 8 | 0xC0)  # 0x7FC0 / 0xFFC0: NaN, its sign
     return table.view(torch.uint8), wide
 
 
-def _cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype):
-    """(`cast_to_fp8(x, scale, fp8_dtype)`, its values widened to bf16 or None) for a bf16/fp16 CPU tensor, by
-    65536-entry tables (see above)."""
-    table, wide = _tables(x, scale, fp8_dtype)
+def _cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, values: bool = True):
+    """(`cast_to_fp8(x, scale, fp8_dtype)`, its values widened to bf16 (a bf16 x, when `values`) or None) for a
+    bf16/fp16 CPU tensor, by 65536-entry tables (see above)."""
+    table, wide = _tables(x, scale, fp8_dtype, values)
     data = torch.empty(x.shape, dtype=fp8_dtype)
     tables, outs = [table], [data.view(torch.uint8).view(-1)]
-    values = None
+    widened = None
     if wide is not None:
-        values = torch.empty(x.shape, dtype=torch.bfloat16)
+        widened = torch.empty(x.shape, dtype=torch.bfloat16)
         tables.append(wide)
-        outs.append(values.view(torch.int16).view(-1))
+        outs.append(widened.view(torch.int16).view(-1))
     lookup.gather(x.reshape(-1).view(torch.uint16), tables, outs)
-    return data, values
+    return data, widened
 
 
 def _deferred_cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype,

@@ -72,10 +72,10 @@ def quantize(
         if fast:
             a = host.amax(x)
             return wrap(cast_host(x, host.current_scale(a, FP8_MAX[fp8_dtype], eps, bool(power_2_scale)),
-                                  fp8_dtype, a))
+                                  fp8_dtype, a, values=False))  # no GEMM follows: the bytes only
         s = current_scale(x, fp8_max_of(fp8_dtype), eps, bool(power_2_scale))
     else:
         s = _checked_scale(scale, x.device)
         if fast:
-            return wrap(cast_host(x, float(s), fp8_dtype, math.inf))  # amax unknown: always clamp
+            return wrap(cast_host(x, float(s), fp8_dtype, math.inf, values=False))  # amax unknown: always clamp
     return wrap(cast(x, s, fp8_dtype))
