@@ -14,11 +14,11 @@ themselves, which on a GPU are asynchronous kernels).
 from __future__ import annotations
 
 import math
-import struct
 
 import torch
 
-from fp8kit.recipe import FLT_MAX, SCALE_MIN
+from fp8kit.pytorch.tensor.storage import WIDEN_BY_TABLE_MIN_NUMEL
+from fp8kit.recipe import FLT_MAX, SCALE_MIN, f32
 
 __all__ = ["FloorLinear"]
 
@@ -51,7 +51,7 @@ def _cast(x: torch.Tensor, fp8_dtype: torch.dtype, c: torch.Tensor):
 
 
 def _widen(raw: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    if raw.device.type == "cpu" and raw.numel() >= 1024:
+    if raw.device.type == "cpu" and raw.numel() >= WIDEN_BY_TABLE_MIN_NUMEL:
         return torch.take(_codes(q.dtype), raw.to(torch.int64))
     return q.to(torch.float32)
 
@@ -60,18 +60,13 @@ def _value(t: torch.Tensor) -> float:
     return t.tolist()[0]
 
 
-def _round_f32(v: float) -> float:
-    """A float64 product rounded once to float32 (it never overflows here: scale_inv <= 2**63)."""
-    return struct.unpack("f", struct.pack("f", v))[0]
-
-
 class _Floor(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, c, c_grad):
         x_raw, x_q, x_inv = _cast(x, _E4M3, c)
         w_raw, w_q, w_inv = _cast(weight, _E4M3, c)
         w_values = _widen(w_raw, w_q)
-        alpha = _round_f32(_value(x_inv) * _value(w_inv))
+        alpha = f32(_value(x_inv) * _value(w_inv))
         y = torch.addmm(bias, _widen(x_raw, x_q), w_values.t(), alpha=alpha)
         ctx.save_for_backward(x_q, x_inv, w_values, w_inv, c_grad)
         return y
@@ -84,9 +79,9 @@ class _Floor(torch.autograd.Function):
         d_values = _widen(d_raw, d_q)
         d = _value(d_inv)
         zero = torch.zeros((), dtype=torch.float32)
-        dx = torch.addmm(zero, d_values, w_values, beta=0, alpha=_round_f32(d * _value(w_inv)))
+        dx = torch.addmm(zero, d_values, w_values, beta=0, alpha=f32(d * _value(w_inv)))
         dw = torch.addmm(zero, d_values.t(), _widen(x_q.view(torch.uint8), x_q), beta=0,
-                         alpha=_round_f32(d * _value(x_inv)))
+                         alpha=f32(d * _value(x_inv)))
         return dx, dw, dy.sum(0), None, None
 
 

@@ -325,7 +325,7 @@ def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False,
     code), else by a gather from the 256 codes' values. `codes_finite`: the caller knows `data` holds no NaN or inf
     code (skips a check that reads the bytes twice)."""
     if data.device.type != "cpu" or data.numel() < WIDEN_BY_TABLE_MIN_NUMEL or not dtype.is_floating_point \
-            or torch.compiler.is_compiling():  # traced: one conversion for inductor to fuse
+            or torch.compiler.is_compiling():  # traced: no module-level table made inside a graph
         return (data if fp8_dtype is None else data.view(fp8_dtype)).to(dtype)
     raw = data if fp8_dtype is not None else data.view(torch.uint8)
     fp8_dtype = fp8_dtype or data.dtype
