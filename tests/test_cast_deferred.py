@@ -1,7 +1,9 @@
 """The CPU grad_output cast with its FP8 bytes deferred to their first read (fp8kit/pytorch/tensor/deferred.py):
 the values now, the bytes on demand, both equal to tests/reference.py's (NumPy + ml_dtypes) cast."""
 
+import copy
 import math
+import pickle
 
 import ml_dtypes
 import numpy as np
@@ -120,3 +122,17 @@ def test_linear_backward_makes_no_grad_output_bytes(recipe, monkeypatch, one_thr
     want = _linear_run(recipe)
     for a, b in zip(torch.utils._pytree.tree_leaves(got), torch.utils._pytree.tree_leaves(want)):
         assert torch.equal(a, b)
+
+
+def test_deferred_storage_copies_and_pickles_with_its_bytes(one_thread):
+    """deepcopy and pickle of a storage whose bytes are still deferred give the bytes the reference gives."""
+    x = torch.randn(512, 512, dtype=torch.bfloat16) * 4
+    for copy_of in (copy.deepcopy, lambda q: pickle.loads(pickle.dumps(q))):
+        q = cast_host(x, 20.0, torch.float8_e5m2, float(x.abs().max()), True, defer_bytes=True)
+        assert isinstance(q, DeferredBytesStorage) and not q.bytes_made
+        c = copy_of(q)
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = ref.fp8_bytes(x.float().numpy() * np.float32(20.0), "e5m2")
+        np.testing.assert_array_equal(c._data.numpy(), want)
+        got, kept = c.values(torch.bfloat16).float().numpy(), q.values(torch.bfloat16).float().numpy()
+        np.testing.assert_array_equal(got, kept)

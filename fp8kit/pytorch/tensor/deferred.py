@@ -51,6 +51,11 @@ class DeferredBytesStorage(Float8TensorStorage):
         self._bytes = value
         self._pending = None
 
+    def __getstate__(self) -> dict:
+        """Pickled with its bytes (made now: the maker is a closure over the source, which does not pickle)."""
+        self._data  # noqa: B018 - makes the bytes
+        return {**self.__dict__, "_pending": None}
+
     @property
     def bytes_made(self) -> bool:
         """Whether the bytes exist yet (for tests and benchmarks)."""
