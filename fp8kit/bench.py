@@ -312,7 +312,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.overhead:
         from fp8kit.bench_overhead import format_overhead_report, run_overhead_bench
 
-        report = run_overhead_bench(args.quick, args.rounds, log=lambda line: print(line, file=sys.stderr, flush=True))
+        report = run_overhead_bench(args.quick, args.rounds, log=lambda line: print(line, file=sys.stderr, flush=True),
+                                    device=device_argument(parser, args.device))
         print(format_overhead_report(report))
     elif args.compile:
         from fp8kit.bench_compile import format_compile_report, run_compile_bench

@@ -81,15 +81,19 @@ def _torch_module(kind: str, hidden: int, heads: int, tokens: int) -> torch.nn.M
     return _TorchLayer(hidden, heads, tokens)
 
 
-def _input(kind: str, tokens: int, hidden: int) -> torch.Tensor:
+def _input(kind: str, tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     shape = (tokens, 1, hidden) if kind == "TransformerLayer" else (tokens, hidden)  # te: [seq, batch, hidden]
-    return torch.randn(*shape, generator=g).requires_grad_()
+    return torch.randn(*shape, generator=g).to(device).requires_grad_()
 
 
 def _step(stack: torch.nn.Module, x: torch.Tensor, recipe) -> Callable[[], tuple]:
-    """A step returning (forward seconds, backward seconds)."""
+    """A step returning (forward seconds, backward seconds) of host time. On a GPU the device work is waited for
+    before the step (outside the timed parts), so that a full launch queue never blocks the host inside them."""
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
+
     def step():
+        sync()
         t0 = time.thread_time()
         if recipe is None:
             y = stack(x)
@@ -122,20 +126,21 @@ def _medians(steps: Dict[str, Callable[[], tuple]], rounds: int, per_round: int)
 
 
 def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int = 64, heads: int = 4,
-                  rounds: int = 9, per_round: int = 3, log=None) -> List[dict]:
+                  rounds: int = 9, per_round: int = 3, log=None, device="cpu") -> List[dict]:
     """Rows {module, variant, forward_us, backward_us, ratio_*}: per module call, medians over interleaved rounds."""
     rows = []
+    device = torch.device(device)
     for kind in kinds:
         if log:
             log(f"overhead: {kind}")
         torch.manual_seed(0)
-        x = _input(kind, tokens, hidden)
+        x = _input(kind, tokens, hidden, device)
         steps = {"torch": _step(torch.nn.Sequential(*[_torch_module(kind, hidden, heads, tokens)
-                                                      for _ in range(modules)]), x, None)}
+                                                      for _ in range(modules)]).to(device), x, None)}
         for name, recipe_cls in RECIPES.items():
-            stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)])
+            stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)]).to(device)
             steps[f"fp8kit {name}"] = _step(stack, x, recipe_cls())
-        if kind == "Linear":  # the same operations as "fp8kit current", without fp8kit around them
+        if kind == "Linear" and device.type == "cpu":  # current scaling's operations, without fp8kit around them
             steps[FLOOR] = _step(torch.nn.Sequential(*[FloorLinear(hidden, hidden) for _ in range(modules)]), x, None)
         medians = _medians(steps, rounds, per_round)
         base_f, base_b = medians["torch"]
@@ -150,18 +155,19 @@ EXIT_RECIPES = {"current": Float8CurrentScaling(), "delayed, history 16": Delaye
                 "delayed, history 1024": DelayedScaling(amax_history_len=1024)}
 
 
-def bench_exit(counts=EXIT_MODULES, rounds: int = 9, log=None) -> List[dict]:
+def bench_exit(counts=EXIT_MODULES, rounds: int = 9, log=None, device="cpu") -> List[dict]:
     """Rows {recipe, modules, exit_us}: the outermost autocast exit after `modules` Linear(16, 16) ran (the
     modules of earlier rows collected first, so that each row's key holds its own modules only)."""
     rows = []
-    x = torch.randn(16, 16, requires_grad=True)
+    x = torch.randn(16, 16, device=device, requires_grad=True)
+    sync = torch.cuda.synchronize if x.device.type == "cuda" else (lambda: None)
     for name, recipe in EXIT_RECIPES.items():
         for n in counts:
             if log:
                 log(f"overhead: autocast exit, {name}, {n} modules")
             layers = None
             gc.collect()
-            layers = [te.Linear(16, 16) for _ in range(n)]
+            layers = [te.Linear(16, 16, device=device) for _ in range(n)]
             # The first allocation after the forward pass pays the C allocator's deferred work on the forward's
             # freed temporaries (glibc consolidates its free lists at the next larger request): it grows with the
             # number of modules that ran, whoever allocates. One allocation before the timer takes it (reported).
@@ -170,6 +176,7 @@ def bench_exit(counts=EXIT_MODULES, rounds: int = 9, log=None) -> List[dict]:
                 ctx = te.autocast(recipe=recipe)
                 ctx.__enter__()
                 ys = [layer(x) for layer in layers]
+                sync()
                 t0 = time.thread_time()
                 torch.empty(1 << 14)  # see below
                 t1 = time.thread_time()
@@ -183,26 +190,29 @@ def bench_exit(counts=EXIT_MODULES, rounds: int = 9, log=None) -> List[dict]:
     return rows
 
 
-def run_overhead_bench(quick: bool = False, rounds: Optional[int] = None, log=None) -> dict:
-    """The whole report (one thread, tensor path; the thread count is restored afterwards)."""
+def run_overhead_bench(quick: bool = False, rounds: Optional[int] = None, log=None, device="cpu") -> dict:
+    """The whole report (one thread, tensor path; the thread count is restored afterwards). On a CUDA `device` the
+    modules and inputs live there: the host time is then Python, dispatch and kernel launches."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         with host.tensor_path():
             if quick:
-                modules = bench_modules(("Linear",), modules=4, rounds=rounds or 3, per_round=1, log=log)
-                exits = bench_exit((10, 50), rounds=rounds or 3, log=log)
+                modules = bench_modules(("Linear",), modules=4, rounds=rounds or 3, per_round=1, log=log,
+                                        device=device)
+                exits = bench_exit((10, 50), rounds=rounds or 3, log=log, device=device)
             else:
-                modules = bench_modules(rounds=rounds or 9, log=log)
-                exits = bench_exit(rounds=rounds or 9, log=log)
+                modules = bench_modules(rounds=rounds or 9, log=log, device=device)
+                exits = bench_exit(rounds=rounds or 9, log=log, device=device)
     finally:
         torch.set_num_threads(threads)
-    return {"threads": 1, "path": "tensor", "modules": modules, "exit": exits, "ops": linear_op_counts()}
+    return {"threads": 1, "path": "tensor", "device": str(device), "modules": modules, "exit": exits,
+            "ops": linear_op_counts()}
 
 
 def format_overhead_report(report: dict) -> str:
-    lines = ["Host time per module call (us of thread CPU time; one thread, tensor path; median of interleaved "
-             "rounds)",
+    lines = [f"Host time per module call (us of thread CPU time; one thread, tensor path, tensors on "
+             f"{report.get('device', 'cpu')}; median of interleaved rounds)",
              f"{'module':17s} {'variant':17s} {'forward':>9s} {'backward':>9s} {'fwd x':>6s} {'bwd x':>6s} "
              f"{'total x':>7s}"]
     for row in report["modules"]:
