@@ -20,6 +20,7 @@ import argparse
 import json
 import statistics
 import sys
+import time
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -68,16 +69,14 @@ def _fp8kit(recipe, with_stats: bool, triton: bool = False):
         if with_stats:
             te.enable_stats(layer)
 
-        def step():
-            if triton:
-                kernels.set_enabled(True)
+        def step():  # kernels on (every device where available) or off, whatever the default
+            kernels.set_enabled(triton)
             try:
                 with te.autocast(recipe=recipe):
                     y = layer(x)
                 y.backward(dy)
             finally:
-                if triton:
-                    kernels.set_enabled(None)
+                kernels.set_enabled(None)
         return step
     return build
 
@@ -137,23 +136,30 @@ BLOCK_VARIANTS: List[Tuple[str, Callable, int]] = [
 STATS_PAIRS = [("fp8kit current+stats", "fp8kit current"), ("fp8kit delayed+stats", "fp8kit delayed")]
 
 
-def _build(shape, device, skipped: Dict[str, str]) -> Dict[str, Callable[[], None]]:
+def _build(shape, device, skipped: Dict[str, str], log=None) -> Dict[str, Callable[[], None]]:
     steps = {}
+    log = log or (lambda line: None)
     for name, builder in VARIANTS:  # fp8kit and the baseline must run: errors propagate
+        t0 = time.perf_counter()
         steps[name] = builder(shape, device)
         steps[name]()  # warm up
+        log(f"bench {'x'.join(map(str, shape))}: {name} built and run once in {time.perf_counter() - t0:.2f} s")
     for name, builder, multiple in BLOCK_VARIANTS:  # they must run where the shape suits them
         if any(d % multiple for d in shape):
             skipped[f"{name} at {'x'.join(map(str, shape))}"] = f"needs M, K and N multiples of {multiple}"
             continue
+        t0 = time.perf_counter()
         steps[name] = builder(shape, device)
         steps[name]()
+        log(f"bench {'x'.join(map(str, shape))}: {name} built and run once in {time.perf_counter() - t0:.2f} s")
     for name, builder in PEERS:
         if name in skipped:
             continue
         try:
+            t0 = time.perf_counter()
             steps[name] = builder(shape, device)
             steps[name]()
+            log(f"bench {'x'.join(map(str, shape))}: {name} built and run once in {time.perf_counter() - t0:.2f} s")
         except ImportError as e:
             skipped[name] = f"not importable ({e.name or e})"
         except Exception as e:  # a peer that cannot run here: note it, keep going
@@ -161,12 +167,13 @@ def _build(shape, device, skipped: Dict[str, str]) -> Dict[str, Callable[[], Non
     return steps
 
 
-def bench_linear(shapes, device: torch.device, rounds: int, target_ms: float) -> Tuple[List[dict], Dict[str, str]]:
+def bench_linear(shapes, device: torch.device, rounds: int, target_ms: float,
+                 log=None) -> Tuple[List[dict], Dict[str, str]]:
     timer = Timer(device)
     skipped: Dict[str, str] = {}
     rows = []
     for shape in shapes:
-        steps = _build(shape, device, skipped)
+        steps = _build(shape, device, skipped, log)
         names = list(steps)
         samples, iters = interleaved(steps, timer, rounds, target_ms)
         medians = {n: statistics.median(s) for n, s in samples.items()}
@@ -253,10 +260,11 @@ def format_report(report: dict) -> str:
 
 
 def run_bench(device: str = "auto", quick: bool = False, rounds: Optional[int] = None,
-              shapes: Optional[List[Tuple[int, int, int]]] = None) -> dict:
-    """Run all the measurements; returns the report dict (what `--json` writes)."""
+              shapes: Optional[List[Tuple[int, int, int]]] = None, log=None) -> dict:
+    """Run all the measurements; returns the report dict (what `--json` writes). `log`: a function given a line of
+    progress (the command line prints it to stderr)."""
     dev, rounds, target_ms, shapes = run_settings(device, quick, rounds, shapes, QUICK_SHAPES)
-    linear, skipped = bench_linear(shapes, dev, rounds, target_ms)
+    linear, skipped = bench_linear(shapes, dev, rounds, target_ms, log)
     numel = (1 << 16) if quick else ((1 << 26) if dev.type == "cuda" else (1 << 22))
     return {
         "fp8kit_version": fp8kit.__version__,
@@ -327,7 +335,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         report = run_memory_bench(device_argument(parser, args.device), args.quick)
         print(format_memory_report(report))
     else:
-        report = run_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes)
+        report = run_bench(device_argument(parser, args.device), args.quick, args.rounds, args.shapes,
+                           log=lambda line: print(line, file=sys.stderr, flush=True))
         print(format_report(report))
     if args.json:
         with open(args.json, "w") as f:

@@ -81,7 +81,7 @@ def _torch_module(kind: str, hidden: int, heads: int, tokens: int) -> torch.nn.M
     return _TorchLayer(hidden, heads, tokens)
 
 
-def _input(kind: str, tokens: int, hidden: int, device: torch.device) -> torch.Tensor:
+def _input(kind: str, tokens: int, hidden: int, device="cpu") -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     shape = (tokens, 1, hidden) if kind == "TransformerLayer" else (tokens, hidden)  # te: [seq, batch, hidden]
     return torch.randn(*shape, generator=g).to(device).requires_grad_()

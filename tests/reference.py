@@ -34,9 +34,11 @@ def cast(x: np.ndarray, fmt: str, scale: float) -> tuple[np.ndarray, np.float32]
     s = np.float32(scale)
     with np.errstate(over="ignore", invalid="ignore"):
         y = np.asarray(x, dtype=np.float32) * s
-    y = np.where(np.isnan(y), y, np.clip(y, -fp8_max, fp8_max)).astype(np.float32)
-    q = y.astype(dtype)  # ml_dtypes rounds to nearest even
-    return q.view(np.uint8), np.float32(np.float32(1.0) / s)
+    nan = np.isnan(y)
+    y = np.where(nan, 0, np.clip(y, -fp8_max, fp8_max)).astype(np.float32)
+    q = y.astype(dtype).view(np.uint8)  # ml_dtypes rounds to nearest even
+    # a NaN: 0x7F whatever its sign (a GPU multiply returns the positive canonical NaN, as measured on an H100)
+    return np.where(nan, np.uint8(0x7F), q).astype(np.uint8), np.float32(np.float32(1.0) / s)
 
 
 def dequantize(q_bytes: np.ndarray, fmt: str, scale_inv: float) -> np.ndarray:
@@ -159,13 +161,13 @@ E8M0 = ml_dtypes.float8_e8m0fnu
 
 def fp8_bytes(y: np.ndarray, fmt: str) -> np.ndarray:
     """FP8 bytes of the float32 array `y`: saturate to +-max (inf included), round to nearest even; a NaN becomes
-    0x7F with its sign bit (torch's byte; ml_dtypes writes 0x7E for E5M2)."""
+    0x7F whatever its sign (a GPU's product is the positive canonical NaN; ml_dtypes would write 0x7E for E5M2 and
+    keep the sign)."""
     dtype, fp8_max = FP8[fmt]
     y = np.asarray(y, dtype=np.float32)
     nan = np.isnan(y)
     q = np.clip(np.where(nan, 0, y), -fp8_max, fp8_max).astype(np.float32).astype(dtype).view(np.uint8)
-    nan_byte = np.where(np.signbit(y), 0xFF, 0x7F).astype(np.uint8)
-    return np.where(nan, nan_byte, q).astype(np.uint8)
+    return np.where(nan, np.uint8(0x7F), q).astype(np.uint8)
 
 
 def block_amax(tiles: np.ndarray, axes) -> np.ndarray:

@@ -27,17 +27,19 @@ RECIPES = {"current": Float8CurrentScaling, "delayed": DelayedScaling}
 # from CPU memory without an operation). CPU tensors take CPU-faster sequences that cost operations: the amax as
 # NaN-to-0, |.| and max (torch's CPU infinity norm is a slow loop), the widening as an int64 index and a gather
 # from the 256 codes' values (torch's FP8 conversion is a per-element loop): plus 4 per Linear call, and less time
-# (docs/performance.md). On accelerators (tests/test_cuda_path.py) neither applies.
+# (docs/performance.md). And each cast makes NaN products positive (`block_cast.positive_nan_`: one nan_to_num_),
+# which a GPU's multiply does by itself: plus 3 per Linear call (x and W forward, dy backward). On accelerators
+# (tests/test_cuda_path.py) none of these applies.
 # The backward of a delayed-scaling module includes the step's backward update (one module ran).
 CEILINGS = {
-    ("Linear", "current"): (33, 31),
-    ("Linear", "delayed"): (27, 42),
-    ("LayerNormLinear", "current"): (34, 34),
-    ("LayerNormLinear", "delayed"): (28, 45),
-    ("LayerNormMLP", "current"): (68, 63),
-    ("LayerNormMLP", "delayed"): (56, 71),
-    ("TransformerLayer", "current"): (164, 155),
-    ("TransformerLayer", "delayed"): (140, 157),
+    ("Linear", "current"): (35, 32),
+    ("Linear", "delayed"): (29, 43),
+    ("LayerNormLinear", "current"): (36, 35),
+    ("LayerNormLinear", "delayed"): (30, 46),
+    ("LayerNormMLP", "current"): (72, 65),
+    ("LayerNormMLP", "delayed"): (60, 73),
+    ("TransformerLayer", "current"): (172, 159),
+    ("TransformerLayer", "delayed"): (148, 161),
 }
 EXIT_CEILING = 15  # ops of one batched forward update (one key), whatever the number of modules (35 before the
 # in-place update: docs/performance.md)
@@ -73,7 +75,8 @@ def test_ops_per_module_call(kind, recipe_name):
 
 def test_linear_stays_near_torch():
     """The goal the ceilings keep: a Linear call (current scaling, forward + backward) at most about four times
-    torch.nn.Linear's operations on the CPU tensor path (emulated GEMMs included)."""
+    torch.nn.Linear's operations on the CPU tensor path (emulated GEMMs included; the NaN-sign operations, which a
+    GPU does not issue, left out)."""
     x = _input("Linear", 16, 64)
     ref = _torch_module("Linear", 64, 4, 16)
 
@@ -83,7 +86,8 @@ def test_linear_stays_near_torch():
     torch_step()
     baseline = count(torch_step).total
     forward, _, backward = _call_counts("Linear", Float8CurrentScaling())
-    assert forward.total + backward.total <= 4 * baseline
+    cpu_only = forward.ops["nan_to_num_"] + backward.ops["nan_to_num_"]
+    assert forward.total + backward.total - cpu_only <= 4 * baseline
 
 
 def _linears(n: int):

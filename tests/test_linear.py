@@ -369,7 +369,7 @@ def test_cuda_unaligned_shape_runs_padded():
     outs = []
     for layer, dev in ((cpu, "cpu"), (gpu, "cuda")):
         with te.autocast(recipe=Float8CurrentScaling()):
-            outs.append(layer(x.to(dev)).float().cpu())
+            outs.append(layer(x.to(dev)).detach().float().cpu())
     assert outs[1].shape == (12, 24)
     assert sqnr_db(outs[0].double().numpy(), outs[1].double().numpy()) > 40
 
@@ -392,7 +392,7 @@ def test_cuda_linear_matches_cpu_state_and_float64(recipe):
             with te.autocast(recipe=recipe):
                 y = layer(xi)
             y.backward(dy.to(dev))
-            outs.append(y.float().cpu())
+            outs.append(y.detach().float().cpu())
         assert sqnr_db(outs[0].double().numpy(), outs[1].double().numpy()) > 40
     if isinstance(recipe, DelayedScaling):
         for name in ("scaling_fwd", "scaling_bwd"):

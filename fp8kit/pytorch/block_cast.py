@@ -8,6 +8,7 @@ source they come from, are written down in docs/numerics.md.
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Tuple
 
@@ -19,7 +20,7 @@ FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 __all__ = ["MXFP8_BLOCK", "FLOAT8_BLOCK", "f32", "round_up", "ceil_div", "nan_free_abs", "e8m0_from_amax",
            "e8m0_cast_scale", "e8m0_decode", "mxfp8_cast", "float8_block_scale", "float8_block_cast_1d",
-           "float8_block_cast_2d", "saturating_cast"]
+           "float8_block_cast_2d", "saturating_cast", "positive_nan_"]
 
 
 def f32(value: float) -> float:
@@ -41,11 +42,23 @@ def nan_free_abs(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(a), torch.zeros((), dtype=a.dtype, device=a.device), a)
 
 
+def positive_nan_(y: torch.Tensor) -> torch.Tensor:
+    """On a CPU, `y`'s NaNs made the positive NaN, in place; elsewhere `y` untouched. A GPU's float arithmetic returns
+    the canonical NaN 0x7FFFFFFF whatever the operands' signs, so the `x * scale` of every GPU cast (Transformer
+    Engine's, torch's, the Triton kernels') is a positive NaN and converts to the byte 0x7F; a CPU multiply keeps
+    the sign of a NaN operand, which would convert to 0xFF. Measured on an H100 (docs/numerics.md). Every FP8 cast
+    of fp8kit's torch side goes through it."""
+    if y.device.type == "cpu":
+        torch.nan_to_num_(y, nan=math.nan, posinf=math.inf, neginf=-math.inf)
+    return y
+
+
 def saturating_cast(y: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
-    """FP8 bytes (uint8) of the float32 `y`: clamp to +-fp8_max (inf included, NaN kept), round to nearest even,
-    as the kernels' `satfinite` conversions do."""
+    """FP8 bytes (uint8) of the float32 `y`: clamp to +-fp8_max (inf included, NaN kept, as the positive NaN: the
+    byte 0x7F, as on a GPU, see `positive_nan_`), round to nearest even, as the kernels' `satfinite`
+    conversions do."""
     m = FP8_MAX[fp8_dtype]
-    return y.clamp(-m, m).to(fp8_dtype).view(torch.uint8)
+    return positive_nan_(y.clamp(-m, m)).to(fp8_dtype).view(torch.uint8)
 
 
 # ---- MXFP8: E8M0 scales ----------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import torch
 
 from ..recipe import FLT_MAX, SCALE_MIN
 from . import host
+from .block_cast import positive_nan_
 from .tensor import lookup
 from .tensor.deferred import DeferredBytesStorage
 from .tensor.storage import Float8TensorStorage, widen
@@ -168,17 +169,19 @@ def _fp8_max_1d(fp8_max: float, device: torch.device) -> torch.Tensor:
 
 def cast_1d(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> Float8TensorStorage:
     """`cast` on the eager tensor path for `x` of at least one dimension and a float32 `[1]` scale (a view made once):
-    one multiply promotes x to float32, one clamp saturates, one conversion rounds; scale_inv is its reciprocal."""
+    one multiply promotes x to float32, one clamp saturates, one conversion rounds (on a CPU one more operation makes
+    NaN positive, as a GPU's multiply does: `positive_nan_`); scale_inv is its reciprocal."""
     fp8_max = FP8_MAX[fp8_dtype]  # eager only (see fp8_max_of)
     y = torch.mul(x if x.dtype != torch.float64 else x.float(), scale)
-    y.clamp_(-fp8_max, fp8_max)
+    positive_nan_(y.clamp_(-fp8_max, fp8_max))
     return Float8TensorStorage.trusted(y.to(fp8_dtype), torch.reciprocal(scale), x.dtype)
 
 
 def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: torch.dtype,
-                saturate: bool = True) -> torch.Tensor:
+                saturate: bool = True, nan_free: bool = False) -> torch.Tensor:
     """The FP8 bytes of `saturate(float32(x) * scale)`; `scale` is a float32 tensor with one element or a float
-    holding a float32 value. `saturate=False` skips the clamp, for callers that know no product exceeds fp8_max."""
+    holding a float32 value. `saturate=False` skips the clamp, for callers that know no product exceeds fp8_max.
+    A NaN gives 0x7F whatever its sign, as on a GPU (`positive_nan_`; skipped for a `nan_free` x)."""
     fp8_max = fp8_max_of(fp8_dtype)
     if not host.active(x.device) and x.dtype in (torch.bfloat16, torch.float16) and isinstance(scale, torch.Tensor):
         # Accelerators: one multiply kernel reads x and writes the float32 product (a one-element 1-d scale takes
@@ -189,6 +192,8 @@ def cast_to_fp8(x: torch.Tensor, scale: Union[torch.Tensor, float], fp8_dtype: t
         y = x.float().mul_(scale) if x.dtype != torch.float32 else x * scale
     if saturate:
         y.clamp_(-fp8_max, fp8_max)  # clamp keeps NaN
+    if not nan_free:
+        positive_nan_(y)
     return y.to(fp8_dtype)
 
 
@@ -216,7 +221,7 @@ def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value:
         # Products are monotonic in |x|: when the largest is one torch's conversion rounds to at most ±max, no
         # element needs the clamp (UNCLAMPED_MAX; current scaling's `amax * (max / amax)` can exceed max by an ulp).
         in_range = host.f32(amax_value * scale) <= UNCLAMPED_MAX[fp8_dtype]
-        data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range)
+        data = cast_to_fp8(x, scale, fp8_dtype, saturate=not in_range, nan_free=nan_free)
     # scale_inv is made from the float when asked
     q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=host.reciprocal(scale))
     q._codes_finite = nan_free
@@ -242,7 +247,7 @@ def _patterns(dtype: torch.dtype):
         with torch.inference_mode(False):
             patterns = torch.arange(1 << 16, dtype=torch.int32).to(torch.uint16).view(dtype)
             nan_index = torch.isnan(patterns).nonzero().view(-1)
-            nan_bytes = torch.where(torch.signbit(patterns[nan_index]), 0xFF, 0x7F).to(torch.uint8)
+            nan_bytes = torch.full(nan_index.shape, 0x7F, dtype=torch.uint8)  # whatever the sign (positive_nan_)
         found = _PATTERNS[dtype] = (patterns, nan_index, nan_bytes)
     return found
 
@@ -252,14 +257,14 @@ def _tables(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, values: bool 
     (the latter for a bf16 x when `values`)."""
     patterns, nan_index, nan_bytes = _patterns(x.dtype)
     table = cast_to_fp8(patterns, scale, fp8_dtype)
-    # NaN keeps its sign in its byte (0x7F / 0xFF, both formats), as tests/reference.py; torch's own conversion
-    # gives either sign depending on where the element falls in its vector loop
+    # NaN is the byte 0x7F in both formats, as on a GPU (`positive_nan_`; tests/reference.py), put in explicitly:
+    # torch's own CPU conversion gives either sign depending on where the element falls in its vector loop
     table.view(torch.uint8).index_put_((nan_index,), nan_bytes)
     wide = None
     if x.dtype == torch.bfloat16 and values:
         # only the NaN patterns have NaN codes (the cast saturates): widen the rest by bits, then put NaN back
         wide = widen(table, torch.bfloat16, codes_finite=True).view(torch.int16)
-        wide.index_put_((nan_index,), nan_bytes.to(torch.int16) << 8 | 0xC0)  # 0x7FC0 / 0xFFC0: NaN, its sign
+        wide.index_put_((nan_index,), nan_bytes.to(torch.int16) << 8 | 0xC0)  # 0x7FC0: the positive NaN
     return table.view(torch.uint8), wide
 
 

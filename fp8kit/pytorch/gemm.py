@@ -119,7 +119,11 @@ def widened_gemm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torc
 
 
 def _is_row_major(t: torch.Tensor) -> bool:
-    """Contiguous 2-D FP8 bytes starting at a 16-byte boundary of their allocation (what cuBLASLt takes as is)."""
+    """Contiguous 2-D FP8 bytes starting at a 16-byte boundary of their allocation (what cuBLASLt takes as is).
+    Under torch.compile contiguity alone: the compiler's `_scaled_mm` lowering places its operands itself, and the
+    storage offset of a traced tensor is not a value to branch on."""
+    if torch.compiler.is_compiling():
+        return t.is_contiguous()
     return t.is_contiguous() and t.storage_offset() % _ALIGN == 0
 
 

@@ -440,7 +440,7 @@ def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: f
     device = states[0].scale.device
     if host.active(device) and not recipe.uses_callables:
         host.update_states(states, recipe, fp8_max)
-    elif not recipe.uses_callables and recipe.interval == 1 and kernels.enabled() and kernels.available(device):
+    elif not recipe.uses_callables and recipe.interval == 1 and kernels.on_for(device):
         used = torch.stack([(s.amax_history[0] != 0).any() for s in states])  # before the kernel rolls row 0
         # the kernel takes contiguous histories: views of a flat buffer (state_block) go through a copy
         histories = [s.amax_history for s in states]

@@ -228,7 +228,7 @@ class SlotBlock:
         buffers, counts, owners = work
         buffers.mark_used()
         recompute = advance_counters(counts, owners, buffers, recipe.interval)
-        if recipe.interval == 1 and kernels.enabled() and kernels.available(self.device):
+        if recipe.interval == 1 and kernels.on_for(self.device):
             # one launch over the whole buffer: unused columns hold 0 staging values, which the rule leaves alone
             kernels.update_tensors([self.history], [self.scale], recipe, fp8_max)
             return

@@ -24,8 +24,18 @@ for s in "$@"; do
   casts)
     sec casts; timeout 60 $PY tools/gpu/check_casts.py --device cuda --budget 40 --out "$OUT/casts.json" ;;
   bench)
-    sec bench; timeout 110 $PY -m fp8kit bench --device cuda --rounds 5 --shape 4096x4096x4096 \
-      --shape 8192x8192x8192 --shape 8192x4096x11008 --shape 8192x11008x4096 --json "$OUT/bench.json" ;;
+    sec bench; timeout 100 $PY -m fp8kit bench --device cuda --rounds 5 --shape 4096x4096x4096 \
+      --shape 8192x8192x8192 --json "$OUT/bench.json" ;;
+  bench8k)
+    sec bench8k; timeout ${T:-70} $PY -m fp8kit bench --device cuda --rounds 5 --shape 8192x8192x8192 --json "$OUT/bench8k.json" ;;
+  benchffn)
+    sec benchffn; timeout ${T:-70} $PY -m fp8kit bench --device cuda --rounds 5 --shape 8192x4096x11008 \
+      --shape 8192x11008x4096 --json "$OUT/benchffn.json" ;;
+  bench4k)
+    sec bench4k; timeout ${T:-45} $PY -m fp8kit bench --device cuda --rounds 5 --shape 4096x4096x4096 --json "$OUT/bench4k.json" ;;
+  compile)
+    sec compile; timeout 90 $PY tools/gpu/check_graphs_compile.py --device cuda --budget 75 \
+      --only compile_current,compile_delayed,compile_bf16_reference --out "$OUT/graphs_compile.json" ;;
   overhead)
     sec overhead; timeout 75 $PY tools/gpu/overhead.py --device cuda --out "$OUT/overhead.json" ;;
   graphs)

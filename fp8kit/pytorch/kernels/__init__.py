@@ -1,9 +1,11 @@
-"""Fused Triton kernels for the FP8 cast (+ transpose, amax, bias gradient) and the delayed-scaling update (opt-in;
-see docs/kernels.md).
+"""Fused Triton kernels for the FP8 cast (+ transpose, amax, bias gradient) and the delayed-scaling update
+(docs/kernels.md).
 
-The kernels compute the same bytes as the torch path in `fp8kit.pytorch.cast` and `fp8kit.pytorch.state`.
-They are OFF by default (they have not run on a GPU yet): turn them on with the environment variable
-`FP8KIT_TRITON=1` or `set_enabled(True)`, and dispatch to them only where `enabled() and available(x.device)`.
+The kernels compute the same bytes as the torch path in `fp8kit.pytorch.cast` and `fp8kit.pytorch.state` (checked on
+an H100: `pytest -m cuda`). They are ON by default for CUDA tensors (compute capability 8.9 or newer, Triton
+importable) and off elsewhere. `FP8KIT_TRITON=0` (or `set_enabled(False)`) turns them off; `FP8KIT_TRITON=1` (or
+`set_enabled(True)`) turns them on for every device where they are `available` (also the meta device and, with
+`TRITON_INTERPRET=1`, CPU tensors). Dispatch goes through `on_for(device)`.
 
 Triton is imported lazily: importing this package needs only torch. CUDA tensors run compiled kernels (compute
 capability 8.9 or newer); CPU tensors run the same kernels in Triton's interpreter when `TRITON_INTERPRET=1` is set
@@ -35,23 +37,33 @@ from .update_ops import update, update_tensors
 __all__ = ["enabled", "set_enabled", "enabled_as", "refresh", "available", "use_for", "interpreter_on", "kernel_module",
            "cast_amax", "cast", "cast_transpose_amax", "cast_transpose_dbias", "amax", "current_cast",
            "current_cast_transpose_dbias",
-           "update", "update_tensors", "observe_launches", "Launch"]
+           "update", "update_tensors", "observe_launches", "Launch", "on_for"]
 
 _enabled: Optional[bool] = None  # None: follow FP8KIT_TRITON
 _triton_ok: Optional[bool] = None
 _capability: dict = {}  # CUDA device index -> compute capability
 
 
-def enabled() -> bool:
-    """Whether fp8kit should use the Triton kernels: `set_enabled(...)` if called, else `FP8KIT_TRITON` in
-    ("1", "true", "yes", "on"). Default False."""
+FALSE_VALUES = ("0", "false", "no", "off")
+
+
+def _setting() -> Optional[bool]:
+    """True / False when set (`set_enabled`, else `FP8KIT_TRITON`), None for the default (CUDA tensors only)."""
     if _enabled is not None:
         return _enabled
-    return os.environ.get("FP8KIT_TRITON", "").strip().lower() in TRUE_VALUES
+    value = os.environ.get("FP8KIT_TRITON", "").strip().lower()
+    return True if value in TRUE_VALUES else False if value in FALSE_VALUES else None
+
+
+def enabled() -> bool:
+    """Whether fp8kit may use the Triton kernels: `set_enabled(...)` if called, else `FP8KIT_TRITON` ("1", "true",
+    "yes", "on" / "0", "false", "no", "off"). Default True, for CUDA tensors only (`on_for`)."""
+    return _setting() is not False
 
 
 def set_enabled(flag: Optional[bool]) -> None:
-    """Turn the kernels on (True) or off (False); None goes back to reading `FP8KIT_TRITON`."""
+    """Turn the kernels on (True: every device where `available`) or off (False); None goes back to reading
+    `FP8KIT_TRITON` (unset: CUDA tensors only)."""
     global _enabled
     _enabled = None if flag is None else bool(flag)
     refresh()
@@ -61,8 +73,18 @@ def use_for(x: torch.Tensor) -> bool:
     """Whether the quantizers should cast `x` with the kernels: enabled, available on its device, and a
     contiguous tensor of a supported dtype. `enabled()` as of the last `refresh()` (the outermost autocast entry
     calls it), so that a cast reads no environment variable."""
-    return _enabled_now[0] and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and x.is_contiguous() \
-        and available(x.device)
+    return _enabled_now[0] is not False and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
+        and x.is_contiguous() and on_for(x.device)
+
+
+def on_for(device) -> bool:
+    """Whether the kernels run for tensors of `device` now: the setting as of the last `refresh()` (default: CUDA
+    devices only) and `available(device)`."""
+    setting = _enabled_now[0]
+    if setting is False:
+        return False
+    device = torch.device(device)
+    return (setting is True or device.type == "cuda") and available(device)
 
 
 @contextlib.contextmanager
@@ -76,12 +98,12 @@ def enabled_as(flag: bool) -> Iterator[None]:
         set_enabled(before)
 
 
-_enabled_now = [False]  # enabled() when refresh() ran last
+_enabled_now: list = [None]  # _setting() when refresh() ran last
 
 
 def refresh() -> None:
-    """Take `enabled()` now for the casts of the coming step (`use_for`)."""
-    _enabled_now[0] = enabled()
+    """Take the setting now for the casts of the coming step (`use_for`, `on_for`)."""
+    _enabled_now[0] = _setting()
 
 
 def _triton_importable() -> bool:

@@ -7,8 +7,9 @@ under different module names, once with Triton's interpreter off (CUDA tensors) 
 because `triton.jit` decides between compiling and interpreting when it decorates a function.
 
 Numerics follow `fp8kit.pytorch.cast` bit for bit: `y = float32(x) * scale`, clamp to +-fp8_max keeping NaN, convert
-with round-to-nearest-even; a NaN is written as the byte torch writes (0x7F, with the sign bit of `y`). Divisions
-use `tl.math.div_rn` (IEEE division; Triton's `/` on float32 may be approximate on GPUs).
+with round-to-nearest-even; a NaN is written as 0x7F whatever its sign (a GPU's `x * scale` makes every NaN the
+positive canonical one; `block_cast.positive_nan_`). Divisions use `tl.math.div_rn` (IEEE division; Triton's `/`
+on float32 may be approximate on GPUs).
 
 Control flow: the cast and amax kernels have none that depends on data. Every program runs the same instructions
 (the scale writes of program 0 are masked stores, not branches) and max-accumulates its tile's amax with exactly one
@@ -122,7 +123,7 @@ def _write_scales(pid, s, scale_out_ptr, scale_inv_ptr, WRITE_SCALE: tl.constexp
 
 @triton.jit
 def _quantize_bits(x, s, FP8_MAX: tl.constexpr, E4M3: tl.constexpr):
-    """FP8 bytes (uint8) of `saturate(x * s)` for float32 `x`, round-to-nearest-even, torch's NaN byte."""
+    """FP8 bytes (uint8) of `saturate(x * s)` for float32 `x`, round-to-nearest-even, NaN as 0x7F."""
     y = x * s
     y = tl.where(y > FP8_MAX, FP8_MAX, y)
     y = tl.where(y < -FP8_MAX, -FP8_MAX, y)  # comparisons are False for NaN: NaN stays NaN
@@ -131,8 +132,7 @@ def _quantize_bits(x, s, FP8_MAX: tl.constexpr, E4M3: tl.constexpr):
     else:
         q = y.to(tl.float8e5, fp_downcast_rounding="rtne")
     bits = q.to(tl.uint8, bitcast=True)
-    nan_bits = tl.where(y.to(tl.int32, bitcast=True) < 0, 0xFF, 0x7F).to(tl.uint8)
-    return tl.where(y != y, nan_bits, bits)
+    return tl.where(y != y, 0x7F, bits).to(tl.uint8)  # a GPU's multiply makes every NaN the positive one
 
 
 @triton.jit
