@@ -282,3 +282,28 @@ def test_eager_step_after_compiled_steps_applies_their_backward_update():
 def _autocast_call(model, x, recipe):
     with te.autocast(recipe=recipe):
         return model(x)
+
+
+def test_kernels_on_compile_through_the_torch_path(monkeypatch):
+    """With the Triton kernels on (here in the interpreter; on CUDA by default) a compiled step takes the torch
+    path: no kernel launch is traced (its device context would stop the compile, as it did on an H100), and the
+    compiled step equals an eager step with the kernels off."""
+    from fp8kit.pytorch import kernels
+
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    recipe = _recipe("current")
+    torch.manual_seed(0)
+    eager, compiled = _net("Linear"), _net("Linear")
+    compiled.load_state_dict(eager.state_dict())
+    x = torch.randn(16, 32)
+
+    def step(model, x):
+        with te.autocast(recipe=recipe):
+            return model(x)
+
+    with kernels.enabled_as(False):
+        want = step(eager, x)
+    with kernels.enabled_as(True), kernels.observe_launches() as launches:
+        got = torch.compile(step, fullgraph=True, backend="aot_eager")(compiled, x)
+    assert not launches and torch.equal(got, want)

@@ -79,9 +79,10 @@ def use_for(x: torch.Tensor) -> bool:
 
 def on_for(device) -> bool:
     """Whether the kernels run for tensors of `device` now: the setting as of the last `refresh()` (default: CUDA
-    devices only) and `available(device)`."""
+    devices only) and `available(device)`; never while torch.compile traces (the compiler fuses the torch path's
+    operations itself, and a launch's device context is not traceable)."""
     setting = _enabled_now[0]
-    if setting is False:
+    if setting is False or torch.compiler.is_compiling():
         return False
     device = torch.device(device)
     return (setting is True or device.type == "cuda") and available(device)
