@@ -152,6 +152,7 @@ def _build(shape, device, skipped: Dict[str, str], log=None) -> Dict[str, Callab
         steps[name] = builder(shape, device)
         steps[name]()
         log(f"bench {'x'.join(map(str, shape))}: {name} built and run once in {time.perf_counter() - t0:.2f} s")
+        _drop_if_too_slow(steps, name, shape, device, skipped)
     for name, builder in PEERS:
         if name in skipped:
             continue
@@ -160,11 +161,25 @@ def _build(shape, device, skipped: Dict[str, str], log=None) -> Dict[str, Callab
             steps[name] = builder(shape, device)
             steps[name]()
             log(f"bench {'x'.join(map(str, shape))}: {name} built and run once in {time.perf_counter() - t0:.2f} s")
+            _drop_if_too_slow(steps, name, shape, device, skipped)
         except ImportError as e:
             skipped[name] = f"not importable ({e.name or e})"
         except Exception as e:  # a peer that cannot run here: note it, keep going
             skipped[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
     return steps
+
+
+MAX_STEP_S = 2.0  # a block-recipe or peer variant whose step takes longer is reported, not timed
+
+
+def _drop_if_too_slow(steps, name, shape, device, skipped) -> None:
+    """Drop a variant whose second step takes more than MAX_STEP_S (emulated block GEMMs at large shapes: their
+    rounds would take minutes), noting its time in `skipped`."""
+    seconds = Timer(device)(steps[name], 1) / 1e3
+    if seconds > MAX_STEP_S:
+        del steps[name]
+        skipped[f"{name} at {'x'.join(map(str, shape))}"] = f"one step took {seconds:.1f} s (> {MAX_STEP_S} s): " \
+            "not timed"
 
 
 def bench_linear(shapes, device: torch.device, rounds: int, target_ms: float,
