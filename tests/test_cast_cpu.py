@@ -229,7 +229,7 @@ def _as_float32(x: torch.Tensor) -> np.ndarray:
 def test_table_cast_matches_reference_for_every_pattern(fmt, dtype, one_thread):
     """The table cast of large 16-bit tensors (cast.TABLE_MIN_NUMEL): every bit pattern (NaN and inf included), at
     unaligned offsets, for scales that saturate, round into subnormals and flush to zero: bytes equal the
-    reference's (NaN keeps its sign: 0x7F / 0xFF), a bf16 input's values equal the bytes decoded by ml_dtypes."""
+    reference's (NaN: 0x7F whatever its sign), a bf16 input's values equal the bytes decoded by ml_dtypes."""
     fp8 = FORMATS[fmt]
     x = _every16(dtype).repeat(3)[7:]
     assert x.numel() >= cast_module.TABLE_MIN_NUMEL
@@ -237,7 +237,7 @@ def test_table_cast_matches_reference_for_every_pattern(fmt, dtype, one_thread):
         q = cast_host(x, scale, fp8, math.inf)
         _, want_inv = ref.cast(_as_float32(x), fmt, scale)
         with np.errstate(over="ignore", invalid="ignore"):
-            want = ref.fp8_bytes(_as_float32(x) * np.float32(scale), fmt)  # NaN: 0x7F with its sign, both formats
+            want = ref.fp8_bytes(_as_float32(x) * np.float32(scale), fmt)  # NaN: 0x7F whatever its sign, both formats
         np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
         assert np.float32(q.scale_inv.item()) == want_inv
         if dtype == torch.bfloat16:
@@ -353,7 +353,7 @@ def test_quantize_api_table_cast_makes_bytes_only(fmt, dtype, one_thread):
         s = np.float32(ref.current_scale(ref.amax(x.float().numpy()), FP8_MAX[fp8]) if scale is None else scale)
         assert np.float32(q.scale_inv.item()) == np.float32(1 / s)
         with np.errstate(over="ignore", invalid="ignore"):
-            want = ref.fp8_bytes(x.float().numpy() * s, fmt)  # NaN: 0x7F with its sign, both formats
+            want = ref.fp8_bytes(x.float().numpy() * s, fmt)  # NaN: 0x7F whatever its sign, both formats
         np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), want)
         assert q._values is None  # nothing widened for a GEMM that is not there
         decoded = want.view(ref.FP8[fmt][0]).astype(np.float32)

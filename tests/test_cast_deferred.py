@@ -32,7 +32,7 @@ def _every_bf16(rows: int, cols: int) -> torch.Tensor:
 def _reference_bytes(x: torch.Tensor, fmt: str, scale: float) -> np.ndarray:
     xf = x.view(torch.uint16).numpy().view(ml_dtypes.bfloat16).astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):
-        return ref.fp8_bytes(xf * np.float32(scale), fmt)  # NaN: 0x7F with its sign, both formats
+        return ref.fp8_bytes(xf * np.float32(scale), fmt)  # NaN: 0x7F whatever its sign, both formats
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

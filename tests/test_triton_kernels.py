@@ -57,7 +57,7 @@ def test_cast_amax_matches_torch_and_reference(dev, shape, dtype, fp8_dtype):
 
 @pytest.mark.parametrize("fp8_dtype", [E4M3, E5M2])
 def test_special_values_exact(dev, fp8_dtype):
-    """NaN keeps its sign bit, +-inf and overflow saturate, zeros keep their sign: exact bytes even in the
+    """NaN is 0x7F whatever its sign, +-inf and overflow saturate, zeros keep their sign: exact bytes even in the
     interpreter (no rounding is involved)."""
     vals = [float("nan"), float("inf"), float("-inf"), 1e30, -1e30, 0.0, -0.0, 448.0, -448.0, 2.0, -0.5]
     x = torch.tensor([vals], dtype=torch.float32)
