@@ -47,6 +47,7 @@ from dist_workers_attn import check_tp_attention, check_tp_transformer_layer  # 
 from dist_workers_fsdp8 import (  # noqa: E402, F401
     check_fsdp8_current,
     check_fsdp8_delayed,
+    check_fsdp8_delayed_state,
     check_fsdp8_different_init,
     check_fsdp8_state_dict,
     check_fsdp8_state_dict_current,

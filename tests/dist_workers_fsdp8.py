@@ -23,7 +23,8 @@ import fp8kit.pytorch as te
 from fp8kit.pytorch import distributed as fdist
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
-from dist_common import RANK, WORLD, all_rows, assert_same_on_all_ranks
+import reference as ref
+from dist_common import E4M3, RANK, WORLD, all_rows, assert_same_on_all_ranks
 
 SIZES = [(64, 96), (96, 33), (33, 64)]  # 33 rows: uneven sharding on 2 ranks (17 + 16, padded to 17)
 DTYPE = torch.bfloat16
@@ -74,9 +75,10 @@ def _mesh():
     return init_device_mesh("cpu", (WORLD,))
 
 
-def _build(recipe, fp8: bool, seed: int = 0, mesh=None):
-    """The MLP (bf16 parameters; FP8 weights when `fp8`), sharded by fully_shard per Linear, and a FusedAdam with
-    float32 masters seeded from the high-precision initial weights (so both kinds of run start from equal masters)."""
+def _build(recipe, fp8: bool, seed: int = 0, mesh=None, shard: bool = True):
+    """The MLP (bf16 parameters; FP8 weights when `fp8`), sharded by fully_shard per Linear (unless `shard` is
+    False: the whole model on every rank), and a FusedAdam with float32 masters seeded from the high-precision initial
+    weights (so both kinds of run start from equal masters)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
@@ -84,14 +86,15 @@ def _build(recipe, fp8: bool, seed: int = 0, mesh=None):
         layers = [te.Linear(i, o, params_dtype=DTYPE) for i, o in SIZES]
     model = torch.nn.Sequential(layers[0], torch.nn.GELU(), layers[1], torch.nn.GELU(), layers[2])
     init = {n: p.get_high_precision_init_val() for n, p in model.named_parameters() if isinstance(p, te.Float8Tensor)}
-    mesh = mesh or _mesh()
-    for layer in layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if shard:
+        mesh = mesh or _mesh()
+        for layer in layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     opt = te.optimizers.FusedAdam(model.parameters(), lr=3e-3, weight_decay=0.01, master_weights=True)
     for name, p in model.named_parameters():
         if name in init:  # Transformer Engine's way (its fully_shard example): this rank's rows of the initial value
-            opt.set_scaled_state(p, "master_param", torch.chunk(init[name], WORLD)[RANK])
+            opt.set_scaled_state(p, "master_param", torch.chunk(init[name], WORLD)[RANK] if shard else init[name])
     return model, opt
 
 
@@ -230,6 +233,63 @@ def check_fsdp8_delayed():
     _check_gathered(model, recipe)
     states = [m.fp8_meta[k].scale for m in model if isinstance(m, te.Linear) for k in ("scaling_fwd", "scaling_bwd")]
     assert_same_on_all_ranks(states, "delayed-scaling scales")
+
+
+def _delayed_states(model) -> list:
+    """Copies of every Linear's delayed-scaling state: forward and backward amax history and scale."""
+    return [t.clone() for m in model if isinstance(m, te.Linear) for k in ("scaling_fwd", "scaling_bwd")
+            for t in (m.fp8_meta[k].amax_history, m.fp8_meta[k].scale)]
+
+
+def check_fsdp8_delayed_state():
+    """Delayed scaling, FP8 weights: the FSDP2 model (2 ranks, one layer sharded unevenly) against the same model
+    unsharded on each rank, both fed the same batch on every rank: losses, weight bytes and scales, and every
+    Linear's delayed-scaling state (forward and backward amax history and scale) bit for bit, each model's state read
+    right after its own training. The weight slot stages the amax of the optimizer's requantization (of the whole
+    weight: the shards' amaxes all-reduced) and the next forward update rolls it in, as without FSDP.
+
+    Then the rule that makes "right after its own training" necessary (Transformer Engine's too): a model that has
+    stopped running stays registered under its key and takes part in every update of that key. When the unsharded
+    model trained, the FSDP2 model's weight slot rolled in the amax staged by its last optimizer step at the first
+    update, and nothing after (its other slots had nothing staged): its history is one roll ahead of the state it
+    stopped with (tests/reference.py's DelayedState, fed that state, gives it)."""
+    _fresh_start()
+    recipe = DelayedScaling(amax_history_len=4)
+    gen = torch.Generator().manual_seed(70)  # the same data on every rank: the gradient is every rank's
+    batches = [(torch.randn(16, 64, generator=gen).to(DTYPE), torch.randn(16, 64, generator=gen))] * 6
+    sharded, sharded_opt = _build(recipe, True)
+    sharded_losses, _ = _train(sharded, sharded_opt, recipe, batches)
+    fdist.apply_pending_updates()  # the deferred backward update of the last step
+    sharded_states = _delayed_states(sharded)
+    plain, plain_opt = _build(recipe, True, shard=False)
+    plain_losses, _ = _train(plain, plain_opt, recipe, batches)
+    fdist.apply_pending_updates()
+    plain_states = _delayed_states(plain)
+
+    assert np.array_equal(sharded_losses, plain_losses), (sharded_losses, plain_losses)
+    assert sharded_losses[-1] < sharded_losses[0], sharded_losses
+    linears = [(a, b) for a, b in zip(sharded, plain) if isinstance(a, te.Linear)]
+    for a, b in linears:  # this rank's shard holds its rows of the unsharded weight, with the same scale
+        shard = _shard(a.weight)
+        rows = math.ceil(b.weight.shape[0] / WORLD)
+        assert torch.equal(_fp8_bytes(shard), _fp8_bytes(b.weight)[RANK * rows: RANK * rows + shard.shape[0]])
+        assert torch.equal(shard._scale_inv, b.weight._scale_inv)
+    names = [f"linear{i}.{k}.{t}" for i in range(3) for k in ("fwd", "bwd") for t in ("amax_history", "scale")]
+    for name, a, b in zip(names, sharded_states, plain_states):
+        assert torch.equal(a, b), (name, a, b)
+    assert all(float(h[0, 1]) > 0 for h in sharded_states[0::4]), "the last optimizer step staged no weight amax"
+
+    # the idle FSDP2 model's state after the unsharded model's training: one more forward update
+    for i, (a, _) in enumerate(linears):
+        fwd = ref.DelayedState(4, 3, E4M3)
+        fwd.history[:] = sharded_states[4 * i].numpy()
+        fwd.scale[:] = sharded_states[4 * i + 1].numpy()
+        fwd.update()
+        state = a.fp8_meta["scaling_fwd"]
+        assert np.array_equal(state.amax_history.numpy(), fwd.history), (i, state.amax_history, fwd.history)
+        assert np.array_equal(state.scale.numpy(), fwd.scale), (i, state.scale, fwd.scale)
+        assert torch.equal(a.fp8_meta["scaling_bwd"].amax_history, sharded_states[4 * i + 2])
+    assert_same_on_all_ranks(sharded_states + plain_states, "delayed-scaling states")
 
 
 def check_fsdp8_state_dict():

@@ -83,6 +83,49 @@ def test_delayed_weight_amax_comes_from_its_quantization():
     assert w0.shape == (32, 32)
 
 
+def test_an_idle_model_rolls_its_staged_weight_amax_at_the_next_update_of_its_key():
+    """Transformer Engine's rule: modules stay registered under their key (recipe, group) and take part in every
+    update of it, whether they ran or not; a slot rolls when its staging row holds an amax. An FP8 weight's slot is
+    staged by the optimizer's requantization, after the step's update, so when a model stops, another model
+    trained under the same key rolls that amax into the idle model's history at its first update (and nothing
+    after: the other slots had nothing staged). A model under another key leaves it alone."""
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def make(seed, r):
+        torch.manual_seed(seed)
+        with te.quantized_model_init(recipe=r):
+            m = te.Linear(32, 32)
+        return m, torch.optim.SGD(m.parameters(), lr=0.5)
+
+    def train(m, opt, r, steps):
+        for _ in range(steps):
+            with te.autocast(recipe=r):
+                y = m(torch.randn(8, 32))
+            y.square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+
+    def state(m):
+        return [t.clone() for k in ("scaling_fwd", "scaling_bwd") for t in (m.fp8_meta[k].amax_history,
+                                                                             m.fp8_meta[k].scale)]
+
+    idle, opt = make(4, recipe)
+    train(idle, opt, recipe, 2)
+    stopped = state(idle)
+    assert stopped[0][0, 1] > 0 and stopped[0][0, 0] == 0  # the weight amax staged, the input's rolled
+    other_key = DelayedScaling(amax_history_len=4, margin=1)
+    train(*make(5, other_key), other_key, 2)
+    assert all(torch.equal(a, b) for a, b in zip(state(idle), stopped))
+    train(*make(6, recipe), recipe, 2)
+    want = ref.DelayedState(4, 3, 448.0)
+    want.history[:], want.scale[:] = stopped[0].numpy(), stopped[1].numpy()
+    want.update()
+    now = state(idle)
+    assert np.array_equal(now[0].numpy(), want.history) and np.array_equal(now[1].numpy(), want.scale)
+    assert not np.array_equal(want.history, stopped[0].numpy())  # it did roll
+    assert torch.equal(now[2], stopped[2]) and torch.equal(now[3], stopped[3])  # backward: nothing staged
+
+
 def test_current_scaling_requantizes_after_each_step():
     recipe = Float8CurrentScaling()
     torch.manual_seed(3)
@@ -127,9 +170,13 @@ def test_checkpoint_loads_weights_only_and_resumes_exactly(recipe):
     resumed = make()
     resumed.load_state_dict(state)
     twin = copy.deepcopy(straight)
+    after = []
     for m in (straight, resumed, twin):
         train(m, torch.optim.SGD(m.parameters(), lr=0.1), 1, 2)
-    for a, b, c in zip(straight.state_dict().values(), resumed.state_dict().values(), twin.state_dict().values()):
+        # read right after its own steps: an idle model's staged weight amax rolls at another model's update of
+        # the same key (test_an_idle_model_rolls_its_staged_weight_amax_at_the_next_update_of_its_key)
+        after.append(copy.deepcopy(m.state_dict()))
+    for a, b, c in zip(*(d.values() for d in after)):
         for u in (b, c):
             if isinstance(a, te.Float8Tensor):
                 assert torch.equal(a._data.view(torch.uint8), u._data.view(torch.uint8))

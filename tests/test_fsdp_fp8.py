@@ -1,8 +1,9 @@
 """FSDP2 (fully_shard) with FP8 weights from quantized_model_init, on 2 local gloo processes: the all-gather sends FP8
 bytes (about half of bf16's), every rank gathers the same weight and scale, training matches the bf16-weight run
-within FP8 noise, checkpoints (torch.save and torch.distributed.checkpoint) resume exactly, and shards quantized with
-different scales are put on one. The checks live in tests/dist_workers_fsdp8.py (each says what it compares
-against); the processes start once for the session (tests/conftest.py)."""
+within FP8 noise, checkpoints (torch.save and torch.distributed.checkpoint) resume exactly, the delayed-scaling state
+equals the unsharded model's bit for bit, and shards quantized with different scales are put on one. The checks live
+in tests/dist_workers_fsdp8.py (each says what it compares against); the processes start once for the session
+(tests/conftest.py)."""
 
 import pytest
 import torch
@@ -11,7 +12,8 @@ from dist_launch import check_result
 
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed is not available")
 
-CHECKS = ["fsdp8_current", "fsdp8_delayed", "fsdp8_state_dict", "fsdp8_state_dict_current", "fsdp8_different_init"]
+CHECKS = ["fsdp8_current", "fsdp8_delayed", "fsdp8_delayed_state", "fsdp8_state_dict", "fsdp8_state_dict_current",
+          "fsdp8_different_init"]
 
 
 @pytest.mark.parametrize("check", CHECKS)

@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import contextlib
-import weakref
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, Optional
 
@@ -32,7 +31,6 @@ from .recompute import in_backward, in_reentrant_checkpoint, release_step
 from .registry import register as register_states
 from .registry import registry_states
 from .state import ScalingState
-from .state_block import flat_block, note_ran
 
 __all__ = ["autocast", "fp8_autocast", "current_frame", "registry_states", "register", "has_pending_backward",
            "run_pending_backward", "Frame", "entry_recipe"]
@@ -46,34 +44,23 @@ class _Step:
     """One outermost autocast scope: the keys it touched and the FP8 backwards still to run."""
 
     def __init__(self):
-        # key -> {id(state): weakref(state)}: the forward / backward states of the modules that ran (or will run a
-        # backward) in this step; a non-reduced key's updates touch only these, as in Transformer Engine
-        self.forward_keys: Dict[tuple, Dict[int, weakref.ref]] = {}
-        self.backward_keys: Dict[tuple, Dict[int, weakref.ref]] = {}
+        # the keys under which modules ran (or will run a backward) in this step, in order (dicts as ordered sets):
+        # each one's update covers every state registered under it, as in Transformer Engine
+        self.forward_keys: Dict[tuple, None] = {}
+        self.backward_keys: Dict[tuple, None] = {}
         self.entered: Dict[tuple, int] = {}  # delayed-scaling keys entered, in order -> the key's step number
         self.pending_backward = 0
         self.backward_finished = False  # the step's backward update has run
         # the calls of a step traced by torch.compile (no per-step Python state at run time); None when eager
         self.traced: Optional[TracedCalls] = TracedCalls() if compiling() else None
         self.graph_calls: list = []  # (module, needs_backward) of the calls made under a graph-capture frame
-        self.flat: dict = {}  # (key, pass) -> which flat buffer the states that ran belong to (state_block.note_ran)
 
-    def forward_called(self, key, needs_backward: bool, states=None) -> None:
-        """A module call recording amaxes under `key`; `states`: its (forward, backward) ScalingStates."""
-        ran = self.forward_keys.get(key)
-        if ran is None:
-            ran = self.forward_keys[key] = {}
-        if states is not None and id(states[0]) not in ran:
-            ran[id(states[0])] = weakref.ref(states[0])
-            note_ran(self.flat, (key, "forward"), states[0])
+    def forward_called(self, key, needs_backward: bool) -> None:
+        """A module call recording amaxes under `key`; `needs_backward`: a backward will report to this step."""
+        self.forward_keys[key] = None
         if needs_backward:
             self.pending_backward += 1
-            backward = self.backward_keys.get(key)
-            if backward is None:
-                backward = self.backward_keys[key] = {}
-            if states is not None and id(states[1]) not in backward:
-                backward[id(states[1])] = weakref.ref(states[1])
-                note_ran(self.flat, (key, "backward"), states[1])
+            self.backward_keys[key] = None
 
     def backward_done(self) -> None:
         # One backward runs at a time per step (autograd runs a CPU graph and a single-device graph on one thread);
@@ -81,21 +68,15 @@ class _Step:
         if self.pending_backward <= 0:
             return
         self.pending_backward -= 1
-        run = self.pending_backward == 0
-        keys = dict(self.backward_keys)
-        flat = self.flat
-        if run:
-            self.backward_keys = {}
-            self.flat = {name: entry for name, entry in flat.items() if name[1] == "forward"}
-        if run:
+        if self.pending_backward == 0:
+            keys, self.backward_keys = self.backward_keys, {}
             self.backward_finished = True
             release_step(self)  # no recompute of this step is left to come
-            for key, states in keys.items():
+            for key in keys:
                 if registry.reduces(key):  # collective: deferred to the next outermost entry
                     registry.entry(key).backward_ran = True
                 else:
-                    block = flat_block(flat, (key, "backward"), len(states))
-                    registry.update_key(key, "backward", None if block is not None else _alive(states), block)
+                    registry.update_key(key, "backward")
 
     def abort(self) -> None:
         """An exception left the outermost autocast: clear the forward staging amaxes of the keys this step used
@@ -145,17 +126,15 @@ def register(frame: Frame, forward: ScalingState, backward: ScalingState) -> Non
 def _update_step(step: _Step) -> None:
     """The forward updates at the outermost exit; collective for the keys with amax reduction."""
     reduced = [key for key in step.entered if registry.reduces(key)]
-    for key, states in step.forward_keys.items():
+    for key in step.forward_keys:
         if key not in reduced:
-            block = None if PENDING.any else flat_block(step.flat, (key, "forward"), len(states))
-            if block is not None:
-                registry.update_key(key, "forward", block=block)
-            else:
-                registry.update_key(key, "forward", _alive(states) + (flagged_forward(key) if PENDING.any else []))
+            if PENDING.any:
+                flagged_forward(key)  # clear the compiled calls' flags: the update covers their states too
+            registry.update_key(key, "forward")
     if PENDING.any:  # keys only compiled calls used
         for key in step.entered:
-            if key not in reduced and key not in step.forward_keys:
-                registry.update_key(key, "forward", flagged_forward(key))
+            if key not in reduced and key not in step.forward_keys and flagged_forward(key):
+                registry.update_key(key, "forward")
     if registry.dist_initialized():
         for key in step.entered:
             if key not in reduced:
@@ -163,10 +142,6 @@ def _update_step(step: _Step) -> None:
         for key in reduced:
             reduced_update(key, "forward", key in step.forward_keys, step.entered[key])
             _PENDING_BACKWARD[key] = step.entered[key]
-
-
-def _alive(refs: Dict[int, "weakref.ref"]):
-    return [s for s in (r() for r in refs.values()) if s is not None]
 
 
 def has_pending_backward(state: ScalingState) -> bool:

@@ -132,4 +132,4 @@ def flush_backward() -> None:
         for s in flagged:
             s.compiled = False
         if flagged:
-            update_key(key, "backward", flagged)
+            update_key(key, "backward")

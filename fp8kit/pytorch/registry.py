@@ -11,7 +11,7 @@ from typing import Deque, Dict, List, Optional, Tuple
 
 from ..recipe import DelayedScaling, Recipe
 from .state import ScalingState
-from .state_block import can_update_whole, place, update_states, whole_block
+from .state_block import can_update_whole, place, update_states
 
 __all__ = ["KeyStates", "StepNote", "all_keys", "entry", "key_entry", "register", "registry_states", "reduces",
            "reduce_group", "dist_initialized", "update_key"]
@@ -132,24 +132,23 @@ def reduces(key) -> bool:
     return reduce_group(key[0], key[1]) is not None
 
 
-def update_key(key, which: str, ran=None, block=None) -> None:
-    """The local (not collective) update of `which` ("forward" or "backward") states under `key`: of the states in
-    `ran` (those of the modules that ran in the step; None: every registered one), in registration order. `block`:
-    the key's flat buffer when the states that ran are exactly its states (`state_block.flat_block`)."""
+def update_key(key, which: str) -> None:
+    """The local (not collective) update of `which` ("forward" or "backward") states under `key`: every state
+    registered under it, in registration order, whether its module ran in the step or not, as in Transformer Engine
+    (whose update covers every module in its buffer) and as the collective update (`amax_reduction`). A state with
+    nothing staged keeps its history, scale and update counter (recipes with callables roll every update); one
+    with an amax staged outside a training step (the requantization of an FP8 weight by an optimizer step, an
+    evaluation under no_grad) rolls it in even when its module did not run."""
     found = _REGISTRY.get(key)
     if found is None:
         return
     recipe = found.recipe
     fmt = recipe.fp8_format.value
     fp8_max = fmt.max_fwd if which == "forward" else fmt.max_bwd
-    if block is not None and found.blocks.get(which) is block and can_update_whole(block, recipe):
-        block.update(recipe, fp8_max)  # O(1) in the number of states
+    block = found.blocks.get(which)
+    # O(1): every registered state lives in the key's flat buffer (dead ones leave it at once, their references
+    # here at the next `live`), so whole-buffer operations update exactly them
+    if block is not None and block.attached == len(getattr(found, which)) and can_update_whole(block, recipe):
+        block.update(recipe, fp8_max)
         return
-    if ran is not None and whole_block(ran) is not None and ran[0].key == key:
-        update_states(ran, recipe, fp8_max)  # every state of the key's flat buffer ran: whole-buffer operations
-        return
-    states = found.live(which, key)
-    if ran is not None:
-        chosen = {id(s) for s in ran}
-        states = [s for s in states if id(s) in chosen]
-    update_states(states, recipe, fp8_max)
+    update_states(found.live(which, key), recipe, fp8_max)

@@ -30,8 +30,7 @@ from . import host, kernels
 from .state import ScalingState, UpdateBuffers, advance_counters, update_in_place
 from .state import update_states as update_each
 
-__all__ = ["SlotBlock", "BlockScales", "place", "update_states", "whole_block", "note_ran", "flat_block",
-           "can_update_whole"]
+__all__ = ["SlotBlock", "BlockScales", "place", "update_states", "whole_block", "can_update_whole"]
 
 _FIRST_COLUMNS = 48  # columns of a new block (16 Linear forward states); doubled as needed
 
@@ -262,28 +261,6 @@ class SlotBlock:
         history[...] = new_history
         scale[...] = new_scale
         counts += takes_part
-
-
-def note_ran(flat: dict, name, state: ScalingState) -> None:
-    """Count, in `flat[name]` ([block, its version, states counted]), a state that ran in a step for the first time;
-    `flat_block` then says in O(1) whether the states that ran are exactly a block's."""
-    block = state._block
-    entry = flat.get(name)
-    if entry is None:
-        flat[name] = [block, block.version if block is not None else 0, 1]
-    elif entry[0] is block and block is not None:
-        entry[2] += 1
-    else:
-        entry[0] = None
-
-
-def flat_block(flat: dict, name, ran: int) -> Optional[SlotBlock]:
-    """The block whose attached states are exactly the `ran` states counted under `name`, or None."""
-    entry = flat.get(name)
-    if entry is None or entry[0] is None:
-        return None
-    block, version, count = entry
-    return block if version == block.version and count == ran == block.attached else None
 
 
 def can_update_whole(block: SlotBlock, recipe) -> bool:

@@ -15,7 +15,9 @@ B. FSDP2 (fully_shard) with FP8 weights (quantized_model_init), world size 1, in
    fsdp_current / fsdp_delayed: a 3-Linear MLP trained a few steps with FusedAdam (master weights) with and without
      fully_shard: losses, final FP8 weight bytes + scale_inv, biases and optimizer masters compared bit for bit; the
      all-gather sends uint8 (FP8 bytes) of the expected size (wrapped torch.distributed all-gather functions); the
-     weight the forward receives is a Float8Tensor whose uint8 bytes equal the shard's.
+     weight the forward receives is a Float8Tensor whose uint8 bytes equal the shard's; under delayed scaling the
+     modules' amax histories and scales too, each model's read right after its own training (an idle model
+     registered under the same key still takes part in the key's updates: see docs/distributed.md, FSDP2).
 
 Usage: python3 tools/gpu/check_blocks_fsdp.py --device cuda --out result.json [--budget 90]
 """
@@ -595,6 +597,17 @@ def _explicit_gather(model, dev):
     return {"n_weights": n, "ok": n == 3 and not bad, "diffs": bad}
 
 
+def _delayed_states(model) -> dict:
+    """{"linear<i>.scaling_fwd|bwd": (amax_history, scale)} copied (empty without delayed-scaling state)."""
+    out = {}
+    for i, mm in enumerate(m for m in model if isinstance(m, te.Linear)):
+        for k in ("scaling_fwd", "scaling_bwd"):
+            st = mm.fp8_meta.get(k) if isinstance(mm.fp8_meta, dict) else None
+            if st is not None and hasattr(st, "amax_history"):
+                out[f"linear{i}.{k}"] = (st.amax_history.detach().clone().cpu(), st.scale.detach().clone().cpu())
+    return out
+
+
 def _fsdp_check(dev, recipe, small):
     import torch.distributed as dist
 
@@ -608,9 +621,16 @@ def _fsdp_check(dev, recipe, small):
     with WireRecorder() as rec, PreAllGatherRecorder() as pre:
         fmodel, fopt = _build(recipe, dev, shard=True)
         f_losses, events = _train(fmodel, fopt, recipe, batches, rec=rec)
+    # each model's delayed-scaling state is read right after its own training (and its deferred backward update):
+    # both models register under one key (same recipe, same group), and a registered model takes part in every
+    # update of its key even when idle (Transformer Engine's rule too), so the plain model's first forward update
+    # rolls in the amax the FSDP model's last optimizer step staged in its weight slot
+    fdist.apply_pending_updates()
+    f_states = _delayed_states(fmodel)
     pmodel, popt = _build(recipe, dev, shard=False)
     p_losses, _ = _train(pmodel, popt, recipe, batches)
-    fdist.apply_pending_updates()  # deferred backward-state updates of both models' last step
+    fdist.apply_pending_updates()
+    p_states = _delayed_states(pmodel)
     _sync(dev)
     res["losses_fsdp"] = f_losses.tolist()
     res["losses_plain"] = p_losses.tolist()
@@ -681,20 +701,18 @@ def _fsdp_check(dev, recipe, small):
         res["explicit_collective"] = _explicit_gather(fmodel, dev)
     except Exception:  # noqa: BLE001
         res["explicit_collective"] = {"ok": False, "error": _tb()}
-    if isinstance(recipe, DelayedScaling):  # informational (not part of ok): the modules' delayed-scaling state
+    if f_states:  # DelayedScaling: the modules' delayed-scaling states, each read right after its training
         info = {}
-        for i, (a, b) in enumerate(zip(linears, [mm for mm in pmodel if isinstance(mm, te.Linear)])):
-            for k in ("scaling_fwd", "scaling_bwd"):
-                sa, sb = a.fp8_meta[k], b.fp8_meta[k]
-                if not (bits_equal(sa.scale, sb.scale) and bits_equal(sa.amax_history, sb.amax_history)):
-                    info[f"linear{i}.{k}"] = {"scale_fsdp": sa.scale.tolist(), "scale_plain": sb.scale.tolist(),
-                                              "hist_fsdp": sa.amax_history.tolist(),
-                                              "hist_plain": sb.amax_history.tolist()}
-        res["info_delayed_state_equal"] = not info
+        for name in f_states:
+            (ha, sa), (hb, sb) = f_states[name], p_states[name]
+            if not (bits_equal(sa, sb) and bits_equal(ha, hb)):
+                info[name] = {"scale_fsdp": sa.tolist(), "scale_plain": sb.tolist(), "hist_fsdp": ha.tolist(),
+                              "hist_plain": hb.tolist()}
+        res["info_delayed_state_equal"] = not info and len(f_states) == 6
         res["info_delayed_state_diffs"] = info
     res["ok"] = res["losses_bit_equal"] and res["params_bit_equal"] and res["gathered_is_fp8_uint8"] \
         and res["wire_inputs_fp8"] and res["loss_decreased"] and res["eval_output_bit_equal"] \
-        and bool(res["explicit_collective"].get("ok"))
+        and bool(res["explicit_collective"].get("ok")) and res.get("info_delayed_state_equal", True)
     res["short"] = (f"{res['backend']} ws1: losses bit-equal={res['losses_bit_equal']}, params bit-equal="
                     f"{res['params_bit_equal']}, wire inputs uint8={res['wire_inputs_fp8']}, gathered FP8 uint8="
                     f"{res['gathered_is_fp8_uint8']}, explicit {res['backend']} all-gather ok="

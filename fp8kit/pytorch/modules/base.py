@@ -204,7 +204,7 @@ class FP8StateMixin:
         self._note_recipe(frame.recipe)
         states = self.fp8_states(frame, device) if isinstance(frame.recipe, DelayedScaling) else None
         if frame.records_amax:
-            frame.step.forward_called(frame.key, counted, states)
+            frame.step.forward_called(frame.key, counted)
         record = None
         if grad or will_recompute:  # a recompute of this call may come: say how to repeat it
             record = ForwardRecord(frame, _scale_snapshot(states), counted)
