@@ -29,6 +29,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import block_cast as bc
+from . import kernels
+from .kernels.block_gemm_ops import A_FIRST, B_FIRST, BOTH_2D, block_gemm_tiles
 from .tensor.float8_blockwise_tensor import Float8BlockwiseQTensorStorage
 from .tensor.mxfp8_tensor import MXFP8TensorStorage
 
@@ -194,9 +196,26 @@ def block_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
     _check_pair(A, B)
     # On the CPU a host read is free: power-of-two scales in range take plain float32 adds, the same numbers.
     # Elsewhere, no host synchronisation: float64 math stored to float32 (power-of-two scales), else the emulated FMA.
+    # With the Triton kernels on for the device (CUDA by default): one kernel, each output tile kept in registers
+    # across the K blocks, the same numbers (a hardware fused multiply-add).
+    if use_kernel(A.values):
+        y = block_gemm_tiles(A.values, B.values, A.scales, B.scales, A.block, _kernel_mode(A, B))
+        return gemm_epilogue(y, out_dtype, bias, out, accumulate, "block_gemm")
     host_read = A.values.device.type == "cpu" and not torch.compiler.is_compiling()
     mode = accumulate_mode(A, B, host_read)
     return gemm_epilogue(_accumulate(A, B, mode), out_dtype, bias, out, accumulate, "block_gemm")
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """Whether the block GEMMs of operands on x's device run as the Triton kernel (`kernels.on_for`: CUDA by default;
+    not while torch.compile traces, which takes the torch path)."""
+    return kernels.on_for(x.device) and not torch.compiler.is_compiling()
+
+
+def _kernel_mode(A: BlockOperand, B: BlockOperand) -> int:
+    if not A.one_d and not B.one_d:
+        return BOTH_2D
+    return B_FIRST if (not A.one_d) and B.one_d else A_FIRST
 
 
 def gemm_epilogue(y: torch.Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor], out: Optional[torch.Tensor],

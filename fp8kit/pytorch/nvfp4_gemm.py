@@ -28,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from .block_gemm import gemm_epilogue
+from .block_gemm import gemm_epilogue, use_kernel
+from .kernels.block_gemm_ops import PRESCALED, block_gemm_tiles
 from .nvfp4_cast import NVFP4_BLOCK
 from .tensor.block_storage import TransposedBlockOperand
 from .tensor.nvfp4_tensor import NVFP4TensorStorage
@@ -61,15 +62,13 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
         raise ValueError(f"nvfp4_gemm: NVFP4 GEMMs need K divisible by 32 and N by 8 (as Transformer Engine's), "
                          f"got M={m}, N={n}, K={k}")
     nb = k // NVFP4_BLOCK
-    y = torch.zeros(m, n, dtype=torch.float32, device=va.device)
-    per_chunk = max(1, _CHUNK_ELEMENTS // max(m * n, 1))
-    ab = (va.reshape(m, nb, NVFP4_BLOCK) * sa[:, :nb, None]).transpose(0, 1)  # exact: E2M1 times E4M3
-    bb = (vb.reshape(n, nb, NVFP4_BLOCK) * sb[:, :nb, None]).permute(1, 2, 0)
-    for first in range(0, nb, per_chunk):
-        last = min(nb, first + per_chunk)
-        partial = torch.bmm(ab[first:last], bb[first:last])  # (sa * sb) * P of each block, exact in float32
-        for j in range(last - first):
-            y.add_(partial[j])
+    ab = va.reshape(m, nb, NVFP4_BLOCK) * sa[:, :nb, None]  # exact: E2M1 times E4M3 (6 significant bits at most)
+    bb = vb.reshape(n, nb, NVFP4_BLOCK) * sb[:, :nb, None]
+    if use_kernel(va):  # one kernel, the output tile in registers across the blocks (TF32 dots: exact here)
+        y = block_gemm_tiles(ab.reshape(m, k), bb.reshape(n, k), None, None, NVFP4_BLOCK,
+                             PRESCALED)
+    else:
+        y = _accumulate(ab.transpose(0, 1), bb.permute(1, 2, 0), m, n)
     if not row_scaled:
         alpha = (amax_a * amax_b) / _ALPHA_DIVISOR
         return gemm_epilogue(alpha * y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
@@ -80,6 +79,19 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
                          "output")
     y = y * (rows * cols) if rows.numel() == 1 or cols.numel() == 1 else (y * rows) * cols
     return gemm_epilogue(y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
+
+
+def _accumulate(ab: torch.Tensor, bb: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """Step 2 on blocks (nb, M, 16) and (nb, 16, N) of pre-scaled operands: `y = y + Q_j`, j increasing."""
+    nb = ab.shape[0]
+    y = torch.zeros(m, n, dtype=torch.float32, device=ab.device)
+    per_chunk = max(1, _CHUNK_ELEMENTS // max(m * n, 1))
+    for first in range(0, nb, per_chunk):
+        last = min(nb, first + per_chunk)
+        partial = torch.bmm(ab[first:last], bb[first:last])  # (sa * sb) * P of each block, exact in float32
+        for j in range(last - first):
+            y.add_(partial[j])
+    return y
 
 
 def _unwrap(t):
