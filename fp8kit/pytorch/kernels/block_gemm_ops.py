@@ -24,8 +24,8 @@ def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode:
     already times their block scales (NVFP4: exact in TF32), `sa`, `sb` None, `y = y + dot`. Any strides."""
     where = "kernels.block_gemm_tiles"
     f64 = mode != PRESCALED
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.dtype != torch.float32 or b.dtype != torch.float32 \
-            or a.device != b.device:
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.device != b.device \
+            or a.dtype != torch.float32 or b.dtype != torch.float32:
         raise ValueError(f"{where}: expected A (M, K) and B (N, K) float32 on one device, got {tuple(a.shape)} "
                          f"{a.dtype} on {a.device} and {tuple(b.shape)} {b.dtype} on {b.device}")
     (m, k), n = a.shape, b.shape[0]

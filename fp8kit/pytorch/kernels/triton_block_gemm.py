@@ -23,8 +23,8 @@ def block_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, y_ptr, M, N, K, NB,
                       stride_am, stride_ak, stride_bn, stride_bk, stride_sam, stride_saj, stride_sbn, stride_sbj,
                       BLOCK: tl.constexpr, KC: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, MODE: tl.constexpr,
                       F64: tl.constexpr):
-    rm = tl.program_id(0) * BM + tl.arange(0, BM)
-    rn = tl.program_id(1) * BN + tl.arange(0, BN)
+    rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)  # int64 offsets: tensors past 2^31 elements
+    rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
     rk = tl.arange(0, KC)
     in_m = rm < M
     in_n = rn < N
@@ -35,7 +35,7 @@ def block_gemm_kernel(a_ptr, b_ptr, sa_ptr, sb_ptr, y_ptr, M, N, K, NB,
         else:
             p = tl.full((BM, BN), 0.0, dtype=tl.float32)
         for c in range(0, BLOCK, KC):  # the block in slices of KC along K (float64 sums: exact)
-            k = j * BLOCK + c + rk
+            k = (j * BLOCK + c + rk).to(tl.int64)
             in_k = (k < K) & (c + rk < BLOCK)
             a = tl.load(a_ptr + rm[:, None] * stride_am + k[None, :] * stride_ak,
                         mask=in_m[:, None] & in_k[None, :], other=0.0)
