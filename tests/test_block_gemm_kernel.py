@@ -42,11 +42,13 @@ def _gemms(gemm, qx, qw, qdy):
     return [gemm(qx, qw), gemm(qdy, qw, transpose_b=True), gemm(qdy, qx, transpose_a=True, transpose_b=True)]
 
 
-def _both_paths(dev, gemm, make_x, make_w, shapes, seed):
+def _both_paths(dev, gemm, make_x, make_w, shapes, seed, nan=False):
     m, n, k = shapes
     g = torch.Generator().manual_seed(seed)
     x = wide_range((m, k), torch.float32, seed).clamp(-1e30, 1e30) if seed % 2 else torch.randn(m, k, generator=g)
     w, dy = torch.randn(n, k, generator=g), torch.randn(m, n, generator=g) * 1e-3
+    if nan:  # NaN stays in its own byte (block casts): its row and column of each product become NaN
+        x[3, 40], w[7, 100], dy[5, 9] = float("nan"), float("nan"), float("nan")
     qx, qw, qdy = make_x()(x.to(dev)), make_w()(w.to(dev)), make_x()(dy.to(dev))
     with kernels.enabled_as(False):
         want = _gemms(gemm, qx, qw, qdy)
@@ -55,7 +57,11 @@ def _both_paths(dev, gemm, make_x, make_w, shapes, seed):
     assert [r.kernel for r in launches] == ["block_gemm_kernel"] * 3
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
+        if nan:  # a NaN's sign and payload are the hardware's (NVFP4 has no NaN code: its NaN-free casts)
+            assert a.isnan().any() or gemm is nvfp4_gemm
+            torch.testing.assert_close(a.cpu(), b.cpu(), rtol=0, atol=0, equal_nan=True)
+        else:
+            assert torch.equal(a.cpu().view(torch.int32), b.cpu().view(torch.int32))
 
 
 @pytest.mark.parametrize("name", list(BLOCK_QUANTIZERS))
@@ -72,6 +78,14 @@ def test_block_kernel_equals_torch_path(dev, name):
 def test_nvfp4_kernel_equals_torch_path(dev, kw):
     for seed in (1, 2):
         _both_paths(dev, nvfp4_gemm, lambda: NVFP4Quantizer(), lambda: NVFP4Quantizer(**kw), (160, 224, 288), seed)
+
+
+@pytest.mark.parametrize("name", ["mxfp8", "float8 f32", "nvfp4"])
+def test_nan_operands(dev, name):
+    if name == "nvfp4":
+        _both_paths(dev, nvfp4_gemm, NVFP4Quantizer, NVFP4Quantizer, (160, 224, 288), 2, nan=True)
+    else:
+        _both_paths(dev, block_gemm, *BLOCK_QUANTIZERS[name], (96, 160, 256), 2, nan=True)
 
 
 def test_kernel_argument_errors():
