@@ -55,6 +55,7 @@ def _both_paths(dev, gemm, make_x, make_w, shapes, seed, nan=False):
     with kernels.enabled_as(True), klaunch.observe_launches() as launches:
         got = _gemms(gemm, qx, qw, qdy)
     assert [r.kernel for r in launches] == ["block_gemm_kernel"] * 3
+    assert kernels.block_gemm_ops.kernel_failure() is None  # ran, not fallen back to the torch path
     for a, b in zip(got, want):
         assert a.dtype == b.dtype and a.shape == b.shape
         if nan:  # a NaN's sign and payload are the hardware's (NVFP4 has no NaN code: its NaN-free casts)
@@ -86,6 +87,38 @@ def test_nan_operands(dev, name):
         _both_paths(dev, nvfp4_gemm, NVFP4Quantizer, NVFP4Quantizer, (160, 224, 288), 2, nan=True)
     else:
         _both_paths(dev, block_gemm, *BLOCK_QUANTIZERS[name], (96, 160, 256), 2, nan=True)
+
+
+def test_triton_failure_falls_back_to_the_torch_path(monkeypatch):
+    """A Triton error (compiling or launching) is warned once; the GEMMs then take the torch path (the same
+    numbers). Any other error propagates."""
+    ops = kernels.block_gemm_ops
+    monkeypatch.setattr(ops, "_failure", [])
+
+    class CompilationError(Exception):
+        pass
+
+    CompilationError.__module__ = "triton.compiler.errors"
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise CompilationError("no fp64 dot here")
+
+    monkeypatch.setattr(ops, "_launch", broken)
+    q = MXFP8Quantizer(E4M3)
+    qx, qw = q(torch.randn(64, 128)), q(torch.randn(32, 128))
+    with kernels.enabled_as(False):
+        want = block_gemm(qx, qw)
+    monkeypatch.setattr("fp8kit.pytorch.block_gemm.use_kernel", lambda x: True)
+    with pytest.warns(RuntimeWarning, match="no fp64 dot here"):
+        assert torch.equal(block_gemm(qx, qw), want)
+    assert torch.equal(block_gemm(qx, qw), want) and len(calls) == 1  # not tried again
+    assert "CompilationError: no fp64 dot here" in ops.kernel_failure()
+    monkeypatch.setattr(ops, "_failure", [])
+    monkeypatch.setattr(ops, "_launch", lambda *args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        block_gemm(qx, qw)
 
 
 def test_kernel_argument_errors():

@@ -200,7 +200,8 @@ def block_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
     # across the K blocks, the same numbers (a hardware fused multiply-add).
     if use_kernel(A.values):
         y = block_gemm_tiles(A.values, B.values, A.scales, B.scales, A.block, _kernel_mode(A, B))
-        return gemm_epilogue(y, out_dtype, bias, out, accumulate, "block_gemm")
+        if y is not None:
+            return gemm_epilogue(y, out_dtype, bias, out, accumulate, "block_gemm")
     host_read = A.values.device.type == "cpu" and not torch.compiler.is_compiling()
     mode = accumulate_mode(A, B, host_read)
     return gemm_epilogue(_accumulate(A, B, mode), out_dtype, bias, out, accumulate, "block_gemm")

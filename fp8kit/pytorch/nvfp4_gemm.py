@@ -64,10 +64,10 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
     nb = k // NVFP4_BLOCK
     ab = va.reshape(m, nb, NVFP4_BLOCK) * sa[:, :nb, None]  # exact: E2M1 times E4M3 (6 significant bits at most)
     bb = vb.reshape(n, nb, NVFP4_BLOCK) * sb[:, :nb, None]
+    y = None
     if use_kernel(va):  # one kernel, the output tile in registers across the blocks (TF32 dots: exact here)
-        y = block_gemm_tiles(ab.reshape(m, k), bb.reshape(n, k), None, None, NVFP4_BLOCK,
-                             PRESCALED)
-    else:
+        y = block_gemm_tiles(ab.reshape(m, k), bb.reshape(n, k), None, None, NVFP4_BLOCK, PRESCALED)
+    if y is None:
         y = _accumulate(ab.transpose(0, 1), bb.permute(1, 2, 0), m, n)
     if not row_scaled:
         alpha = (amax_a * amax_b) / _ALPHA_DIVISOR
