@@ -161,9 +161,10 @@ def test_module_gemm_rule_layouts():
 
 
 @pytest.mark.parametrize("case", ["randn", "wide", "tiny", "e5m2"])
-def test_fast_path_equals_fused_multiply_add(case):
-    """The CPU's plain float32 adds (power-of-two scales in range) give the emulated FMA's numbers; out of range
-    (tiny scales) the GEMM falls back to the FMA."""
+def test_fast_paths_equal_fused_multiply_add(case):
+    """The CPU's plain float32 adds (power-of-two scales in range: F32) and the float64 math stored to float32
+    (power-of-two scales, any range: F64, the accelerator's path) give the emulated FMA's numbers; out of range (tiny
+    scales) the CPU GEMM does not take F32."""
     from block_helpers import wide_range
 
     from fp8kit.pytorch import block_gemm as bg
@@ -173,13 +174,39 @@ def test_fast_path_equals_fused_multiply_add(case):
          "tiny": lambda: torch.randn(64, 256, generator=g) * 1e-36, "e5m2": lambda: torch.randn(64, 256, generator=g)}
     fmt = torch.float8_e5m2 if case == "e5m2" else torch.float8_e4m3fn
     w = torch.randn(32, 256, generator=g)
-    for q in (MXFP8Quantizer(fmt), Float8BlockQuantizer(fmt, rowwise=True, columnwise=True, block_scaling_dim=1)):
-        qx, qw = q(x[case]()), q(w)
-        A, B = block_operand(qx), block_operand(qw)
-        if case != "wide":  # wide: some blocks out of range, the FMA runs
-            assert bg._fast_is_exact(A, B) == (case != "tiny")
-        torch.testing.assert_close(block_gemm(qx, qw), bg._accumulate(A, B, fast=False), rtol=0, atol=0,
-                                   equal_nan=True)
+    for q in (MXFP8Quantizer(fmt), Float8BlockQuantizer(fmt, rowwise=True, columnwise=True, block_scaling_dim=1),
+              MXFP8Quantizer(fmt, with_2d_quantization=True)):
+        qx, qw, qd = q(x[case]()), q(w), q(torch.randn(64, 128, generator=g))
+        for A, B in ((block_operand(qx), block_operand(qw)), (block_operand(qx, True), block_operand(qd, True))):
+            assert A.pow2 and B.pow2
+            if case != "wide":  # wide: some blocks out of range, F32 is not exact there
+                assert bg._fast_is_exact(A, B) == (case != "tiny")
+            fused = bg._accumulate(A, B, bg.FMA)
+            torch.testing.assert_close(bg._accumulate(A, B, bg.F64), fused, rtol=0, atol=0, equal_nan=True)
+            if bg._fast_is_exact(A, B):
+                torch.testing.assert_close(bg._accumulate(A, B, bg.F32), fused, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(block_gemm(qx, qw), bg._accumulate(block_operand(qx), block_operand(qw), bg.FMA),
+                                   rtol=0, atol=0, equal_nan=True)
+
+
+def test_mode_per_operand_pair():
+    """F64 only where step 2's second scale is a power of two by construction: MXFP8, Float8 block with
+    `force_pow_2_scales` (the 1-D operand's scale comes first, so a 2-D operand's decides); else the FMA."""
+    from fp8kit.pytorch import block_gemm as bg
+
+    x = torch.randn(64, 256)
+    q1 = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1)
+    q1f = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=1,
+                               force_pow_2_scales=False)
+    q2f = Float8BlockQuantizer(torch.float8_e4m3fn, rowwise=True, columnwise=True, block_scaling_dim=2,
+                               force_pow_2_scales=False)
+    p1, f1, f2 = block_operand(q1(x)), block_operand(q1f(x)), block_operand(q2f(x))
+    assert (p1.pow2, f1.pow2, f2.pow2) == (True, False, False)
+    assert bg.accumulate_mode(p1, p1, False) == bg.F64
+    assert bg.accumulate_mode(p1, f1, False) == bg.FMA  # B's scale is s2
+    assert bg.accumulate_mode(f1, p1, False) == bg.F64  # A's scale multiplies first
+    assert bg.accumulate_mode(f2, p1, False) == bg.FMA  # 2-D A: B's scale first, A's is s2
+    assert bg.accumulate_mode(f1, f1, True) == bg.FMA  # float32 scales: not powers of two
 
 
 def test_no_host_reads_off_the_cpu():

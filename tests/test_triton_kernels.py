@@ -338,7 +338,7 @@ def test_launch_makes_the_tensors_device_current(monkeypatch):
         cast_flat_kernel = Kernel()
 
     monkeypatch.setattr(torch.cuda, "device", Guard)
-    monkeypatch.setattr(launch_mod, "module_for", lambda device: Module())
+    monkeypatch.setattr(launch_mod, "module_for", lambda device, file="triton_fp8": Module())
     device = torch.device("cuda", 1)
     launch_mod.launch("cast_flat_kernel", (3,), device, (), {})
     assert events == [("enter", device), ("launch", (3,)), ("exit", device)]

@@ -12,7 +12,11 @@ Accumulation order (written down in docs/numerics.md):
    (tests/pytorch/references/blockwise_fp8_gemm_reference.py): with `sa` the scale of A's rows and `sb` of B's rows
    in block j, `y = fma(P_j * s1, s2, y)` where s1 is the 1-D operand's scale (A's when both are 1-D) and s2 the
    other's; both 2-D: `y = fma(P_j, sa * sb, y)`. MXFP8 operands count as 1-D. Products are float32, the fused
-   multiply-add rounds once (emulated exactly: float64 with round-to-odd, then one rounding to float32).
+   multiply-add rounds once. Emulated exactly: when s2 is a power of two (MXFP8's E8M0 scales; Float8 block
+   scales made with `force_pow_2_scales`), as `float32(y + t * s2)` computed in float64 in one kernel (`t * s2` is
+   exact there and rounding the float64 sum to float32 is the single rounding: 53 >= 2 * 24 + 2); otherwise in float64
+   with round-to-odd, then one rounding to float32 (`fma32`). Each step is one pass over the (M, N) output: the
+   sequential rounding allows no fewer (docs/numerics.md, "Cost on a GPU").
 3. `y` (float32) plus the bias in float32, then converted to the output dtype; with `accumulate`, `out +
    y.to(out.dtype)` in the output dtype (cuBLAS converts first, then accumulates).
 """
@@ -25,6 +29,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import block_cast as bc
+from . import kernels
+from .kernels.block_gemm_ops import A_FIRST, B_FIRST, BOTH_2D, block_gemm_tiles
 from .tensor.float8_blockwise_tensor import Float8BlockwiseQTensorStorage
 from .tensor.mxfp8_tensor import MXFP8TensorStorage
 
@@ -35,11 +41,13 @@ _CHUNK_ELEMENTS = 1 << 23  # partial products computed per batch of blocks: at m
 
 class BlockOperand(NamedTuple):
     """A GEMM operand with its contraction dim last: FP8 values as float32 (rows, K), float32 scale per (row, K
-    block) (rows, ceil(K / block)), the block length along K, and whether the scales are 1-D (per row)."""
+    block) (rows, ceil(K / block)), the block length along K, whether the scales are 1-D (per row), and whether
+    every scale is a power of two (or NaN) by construction (E8M0; `force_pow_2_scales`): known without a host read."""
     values: torch.Tensor
     scales: torch.Tensor
     block: int
     one_d: bool
+    pow2: bool = False
 
 
 _NO_COLUMNWISE = (" (the transpose a dgrad GEMM reads; a weight made by quantized_model_init under torch.no_grad() "
@@ -60,7 +68,7 @@ def block_operand(t, transpose: bool = False) -> BlockOperand:
         scales = bc.e8m0_decode(t.block_scales(transpose))
         if transpose:
             values, scales = values.t(), scales.t()
-        return BlockOperand(values, scales, bc.MXFP8_BLOCK, True)
+        return BlockOperand(values, scales, bc.MXFP8_BLOCK, True, True)
     if isinstance(t, Float8BlockwiseQTensorStorage):
         if transpose and t._columnwise_data is None and t._is_2D_scaled and t._rowwise_data is not None:
             t.update_usage(columnwise_usage=True)  # 128x128 blocks: made from the rowwise layout, as in TE
@@ -72,7 +80,8 @@ def block_operand(t, transpose: bool = False) -> BlockOperand:
         rows, cols = (data.shape[0], math.prod(data.shape[1:])) if transpose \
             else (math.prod(data.shape[:-1]), data.shape[-1])
         values = data.reshape(rows, cols).view(t.fp8_dtype).float()
-        return BlockOperand(values, t.block_scale_inv(transpose).float(), bc.FLOAT8_BLOCK, not t._is_2D_scaled)
+        pow2 = bool(getattr(t._quantizer, "force_pow_2_scales", False))
+        return BlockOperand(values, t.block_scale_inv(transpose).float(), bc.FLOAT8_BLOCK, not t._is_2D_scaled, pow2)
     raise TypeError(f"block_gemm: expected an MXFP8 or Float8 block-scaled tensor, got {type(t).__name__}")
 
 
@@ -112,9 +121,30 @@ def _partials(a: BlockOperand, b: BlockOperand, first: int, last: int) -> torch.
     return torch.bmm(ab, bb).float()
 
 
-def _accumulate(A: BlockOperand, B: BlockOperand, fast: bool) -> torch.Tensor:
-    """The accumulation of the module docstring. `fast` adds `(P * s1) * s2` in float32, which is the fused
-    multiply-add when `_fast_is_exact` holds."""
+# How a scaled partial sum `t` meets `y` (step 2 of the module docstring), each giving the fused multiply-add's number:
+F32 = "f32"  # `y + t * s2` in float32: exact when `_fast_is_exact` holds (decided on the host: CPU only)
+F64 = "f64"  # `float32(y + t * s2)` computed in float64 in one kernel: exact when s2 is a power of two
+FMA = "fma"  # `fma32`: exact for any s2 (about 20 kernels a step)
+
+
+def _pow2_second(A: BlockOperand, B: BlockOperand) -> bool:
+    """Whether the scale `s2` of step 2 is a power of two (or 0, inf, NaN) by construction: the second operand's
+    scale, or with two 2-D operands the float32 product of both (a product of powers of two rounds to one)."""
+    if not A.one_d and not B.one_d:
+        return A.pow2 and B.pow2
+    return A.pow2 if (not A.one_d) and B.one_d else B.pow2
+
+
+def accumulate_mode(A: BlockOperand, B: BlockOperand, host_read: bool) -> str:
+    """The cheapest exact way of step 2: F32 where a host read (`host_read`, CPU eager only) shows it exact, else F64
+    where s2 is a power of two by construction, else FMA. All three give the same numbers."""
+    if host_read and _fast_is_exact(A, B):
+        return F32
+    return F64 if _pow2_second(A, B) else FMA
+
+
+def _accumulate(A: BlockOperand, B: BlockOperand, mode: str) -> torch.Tensor:
+    """The accumulation of the module docstring, step 2 as `mode` says (F32, F64 or FMA: the same numbers)."""
     m, n, k = A.values.shape[0], B.values.shape[0], A.values.shape[1]
     nb = bc.ceil_div(k, A.block)
     y = torch.zeros(m, n, dtype=torch.float32, device=A.values.device)
@@ -132,7 +162,12 @@ def _accumulate(A: BlockOperand, B: BlockOperand, fast: bool) -> torch.Tensor:
                 t, s2 = p * sb, sa
             else:
                 t, s2 = p * sa, sb
-            y = y + t * s2 if fast else fma32(t, s2.expand_as(t), y)
+            if mode == F32:
+                y = y + t * s2
+            elif mode == F64:  # float64 math (the common dtype), stored to float32: one rounding
+                y = torch.addcmul(y, t, s2.double(), out=torch.empty_like(y))
+            else:
+                y = fma32(t, s2.expand_as(t), y)
     return y
 
 
@@ -160,9 +195,28 @@ def block_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
     A, B = block_operand(a, transpose_a), block_operand(b, transpose_b)
     _check_pair(A, B)
     # On the CPU a host read is free: power-of-two scales in range take plain float32 adds, the same numbers.
-    # Elsewhere, no host synchronisation: always the emulated fused multiply-add.
-    fast = A.values.device.type == "cpu" and not torch.compiler.is_compiling() and _fast_is_exact(A, B)
-    return gemm_epilogue(_accumulate(A, B, fast), out_dtype, bias, out, accumulate, "block_gemm")
+    # Elsewhere, no host synchronisation: float64 math stored to float32 (power-of-two scales), else the emulated FMA.
+    # With the Triton kernels on for the device (CUDA by default): one kernel, each output tile kept in registers
+    # across the K blocks, the same numbers (a hardware fused multiply-add).
+    if use_kernel(A.values):
+        y = block_gemm_tiles(A.values, B.values, A.scales, B.scales, A.block, _kernel_mode(A, B))
+        if y is not None:
+            return gemm_epilogue(y, out_dtype, bias, out, accumulate, "block_gemm")
+    host_read = A.values.device.type == "cpu" and not torch.compiler.is_compiling()
+    mode = accumulate_mode(A, B, host_read)
+    return gemm_epilogue(_accumulate(A, B, mode), out_dtype, bias, out, accumulate, "block_gemm")
+
+
+def use_kernel(x: torch.Tensor) -> bool:
+    """Whether the block GEMMs of operands on x's device run as the Triton kernel (`kernels.on_for`: CUDA by default;
+    not while torch.compile traces, which takes the torch path)."""
+    return kernels.on_for(x.device) and not torch.compiler.is_compiling()
+
+
+def _kernel_mode(A: BlockOperand, B: BlockOperand) -> int:
+    if not A.one_d and not B.one_d:
+        return BOTH_2D
+    return B_FIRST if (not A.one_d) and B.one_d else A_FIRST
 
 
 def gemm_epilogue(y: torch.Tensor, out_dtype: torch.dtype, bias: Optional[torch.Tensor], out: Optional[torch.Tensor],

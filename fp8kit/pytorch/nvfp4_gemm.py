@@ -7,6 +7,10 @@ Transformer Engine's reference (pytorch/custom_recipes/reference_nvfp4.py, `qgem
    multiple of 1/4 below 36, so a sum of 16 is exact in float32, in any order.
 2. `y = y + (sa_j * sb_j) * P_j` in float32, j increasing (sa_j, sb_j the decoded E4M3 scales of A's rows and
    B's rows; their product and its product with P_j are exact in float32, so only the additions round).
+   Computed as `y = y + Q_j`, with `Q_j` the block's product of the operands scaled first (`a * sa`, `b * sb`: E2M1
+   times E4M3 is exact): every partial sum of Q_j is `sa_j * sb_j` times a multiple of 1/4 below 576, at most 20
+   significant bits from 2^-20 up, so Q_j is `(sa_j * sb_j) * P_j` exactly, in any order and on TF32 tensor cores
+   too. One pass over the (M, N) output per block: the sequential rounding allows no fewer.
 3. `y = alpha * y` with `alpha = float32(amax_a * amax_b) / (6 * 6 * 448 * 448)` (each operand's amax of the layout
    used), then the bias in float32, then the output dtype; with `accumulate`, `out + y.to(out.dtype)`.
 Dims: K a multiple of 32 and N of 8, as TE's NVFP4 GEMM requires (refused otherwise).
@@ -24,7 +28,8 @@ from typing import Optional
 
 import torch
 
-from .block_gemm import gemm_epilogue
+from .block_gemm import gemm_epilogue, use_kernel
+from .kernels.block_gemm_ops import PRESCALED, block_gemm_tiles
 from .nvfp4_cast import NVFP4_BLOCK
 from .tensor.block_storage import TransposedBlockOperand
 from .tensor.nvfp4_tensor import NVFP4TensorStorage
@@ -57,15 +62,13 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
         raise ValueError(f"nvfp4_gemm: NVFP4 GEMMs need K divisible by 32 and N by 8 (as Transformer Engine's), "
                          f"got M={m}, N={n}, K={k}")
     nb = k // NVFP4_BLOCK
-    y = torch.zeros(m, n, dtype=torch.float32, device=va.device)
-    per_chunk = max(1, _CHUNK_ELEMENTS // max(m * n, 1))
-    ab = va.reshape(m, nb, NVFP4_BLOCK).transpose(0, 1)
-    bb = vb.reshape(n, nb, NVFP4_BLOCK).permute(1, 2, 0)
-    for first in range(0, nb, per_chunk):
-        last = min(nb, first + per_chunk)
-        partial = torch.bmm(ab[first:last], bb[first:last])  # exact in float32
-        for j in range(first, last):
-            y = y + (sa[:, j, None] * sb[None, :, j]) * partial[j - first]
+    ab = va.reshape(m, nb, NVFP4_BLOCK) * sa[:, :nb, None]  # exact: E2M1 times E4M3 (6 significant bits at most)
+    bb = vb.reshape(n, nb, NVFP4_BLOCK) * sb[:, :nb, None]
+    y = None
+    if use_kernel(va):  # one kernel, the output tile in registers across the blocks (TF32 dots: exact here)
+        y = block_gemm_tiles(ab.reshape(m, k), bb.reshape(n, k), None, None, NVFP4_BLOCK, PRESCALED)
+    if y is None:
+        y = _accumulate(ab.transpose(0, 1), bb.permute(1, 2, 0), m, n)
     if not row_scaled:
         alpha = (amax_a * amax_b) / _ALPHA_DIVISOR
         return gemm_epilogue(alpha * y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
@@ -76,6 +79,19 @@ def nvfp4_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
                          "output")
     y = y * (rows * cols) if rows.numel() == 1 or cols.numel() == 1 else (y * rows) * cols
     return gemm_epilogue(y, out_dtype, bias, out, accumulate, "nvfp4_gemm")
+
+
+def _accumulate(ab: torch.Tensor, bb: torch.Tensor, m: int, n: int) -> torch.Tensor:
+    """Step 2 on blocks (nb, M, 16) and (nb, 16, N) of pre-scaled operands: `y = y + Q_j`, j increasing."""
+    nb = ab.shape[0]
+    y = torch.zeros(m, n, dtype=torch.float32, device=ab.device)
+    per_chunk = max(1, _CHUNK_ELEMENTS // max(m * n, 1))
+    for first in range(0, nb, per_chunk):
+        last = min(nb, first + per_chunk)
+        partial = torch.bmm(ab[first:last], bb[first:last])  # (sa * sb) * P of each block, exact in float32
+        for j in range(last - first):
+            y.add_(partial[j])
+    return y
 
 
 def _unwrap(t):

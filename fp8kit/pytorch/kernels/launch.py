@@ -44,15 +44,16 @@ def observe_launches():
         _observers.remove(records)
 
 
-def module_for(device: torch.device):
-    """The kernel module that runs on `device`: compiled for CUDA, interpreted for CPU (needs TRITON_INTERPRET=1)."""
+def module_for(device: torch.device, file: str = "triton_fp8"):
+    """The kernel module `file` that runs on `device`: compiled for CUDA, interpreted for CPU (needs
+    TRITON_INTERPRET=1)."""
     if device.type == "cuda":
-        return kernel_module(False)
+        return kernel_module(False, file)
     if device.type == "cpu":
         if not interpreter_on():
             raise RuntimeError("fp8kit Triton kernels run on CPU tensors only in Triton's interpreter: set "
                                "TRITON_INTERPRET=1")
-        return kernel_module(True)
+        return kernel_module(True, file)
     raise RuntimeError(f"fp8kit Triton kernels: unsupported device {device}")
 
 
@@ -69,8 +70,8 @@ def _context(device: torch.device):
 
 
 def launch(kernel: str, grid: Tuple[int, ...], device: torch.device, args: Sequence, constexprs: dict,
-           reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = ()) -> None:
-    """Launch `kernel` (a name in the kernel module) on `grid` with `args` and `constexprs`, on `device` (made
+           reads: Sequence[torch.Tensor] = (), writes: Sequence[torch.Tensor] = (), file: str = "triton_fp8") -> None:
+    """Launch `kernel` (a name in the kernel module `file`) on `grid` with `args` and `constexprs`, on `device` (made
     current for the launch). `reads`/`writes` name the large tensors it touches, for `observe_launches`. On the
     meta device nothing runs."""
     if _observers:
@@ -79,7 +80,7 @@ def launch(kernel: str, grid: Tuple[int, ...], device: torch.device, args: Seque
             records.append(record)
     if device.type == "meta":
         return
-    fn = getattr(module_for(device), kernel)
+    fn = getattr(module_for(device, file), kernel)
     if device.type == "cpu":  # the interpreter reads tensors through NumPy, which refuses ones that require grad
         args = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
     with _context(device):

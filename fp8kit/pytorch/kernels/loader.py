@@ -20,16 +20,22 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in TRUE_VALUES
 
 
-def kernel_module(interpret: bool):
-    """The kernel module `triton_fp8`, loaded with Triton's interpreter on (`interpret=True`, for CPU tensors) or
-    off (compiled, for CUDA tensors), whatever `TRITON_INTERPRET` says now. Each variant is loaded once."""
+KERNEL_FILES = ("triton_fp8", "triton_block_gemm")
+
+
+def kernel_module(interpret: bool, file: str = "triton_fp8"):
+    """The kernel module `file` (one of KERNEL_FILES: `triton_fp8`, the casts and updates; `triton_block_gemm`),
+    loaded with Triton's interpreter on (`interpret=True`, for CPU tensors) or off (compiled, for CUDA tensors),
+    whatever `TRITON_INTERPRET` says now. Each variant is loaded once."""
     interpret = bool(interpret)
+    if file not in KERNEL_FILES:
+        raise ValueError(f"kernel_module: unknown kernel file {file!r} (one of {KERNEL_FILES})")
     with _lock:
-        mod = _modules.get(interpret)
+        mod = _modules.get((interpret, file))
         if mod is not None:
             return mod
-        name = f"{__package__}._triton_fp8_{'interpreted' if interpret else 'compiled'}"
-        path = os.path.join(os.path.dirname(__file__), "triton_fp8.py")
+        name = f"{__package__}._{file}_{'interpreted' if interpret else 'compiled'}"
+        path = os.path.join(os.path.dirname(__file__), f"{file}.py")
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         saved = os.environ.get("TRITON_INTERPRET")
@@ -45,5 +51,5 @@ def kernel_module(interpret: bool):
                 del os.environ["TRITON_INTERPRET"]
             else:
                 os.environ["TRITON_INTERPRET"] = saved
-        _modules[interpret] = mod
+        _modules[(interpret, file)] = mod
         return mod

@@ -1,0 +1,81 @@
+"""Host side of the block-scaled GEMM kernel (`triton_block_gemm.block_gemm_kernel`): checks, allocation, launch.
+
+`block_gemm_tiles` gives the float32 `y` of step 2 of `fp8kit.pytorch.block_gemm` (MXFP8, Float8 block) and of
+`fp8kit.pytorch.nvfp4_gemm` (pre-scaled NVFP4 operands), the same numbers as their torch paths: each output tile
+stays in registers across the K blocks, so the per-block rounding costs no pass over memory.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional
+
+import torch
+
+from .launch import cdiv, launch
+
+__all__ = ["A_FIRST", "B_FIRST", "BOTH_2D", "PRESCALED", "block_gemm_tiles", "kernel_failure"]
+
+A_FIRST, B_FIRST, BOTH_2D, PRESCALED = 0, 1, 2, 3  # how the scales meet a block's partial sum (the kernel's MODE)
+_failure: list = []  # the first error Triton raised compiling or launching the kernel (then the torch path runs)
+
+
+def kernel_failure() -> Optional[str]:
+    """The error Triton raised for the kernel in this process (after which the callers take the torch path, the
+    same numbers), or None."""
+    return _failure[0] if _failure else None
+
+
+_TILES = {True: (64, 64, 4, 2), False: (128, 128, 8, 3)}  # float64 dot or not: (BM, BN, warps, stages)
+
+
+def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode: int) -> Optional[torch.Tensor]:
+    """float32 `y` (M, N) of `A @ B^T` for A `a` (M, K) and B `b` (N, K), K in blocks of `block`, in increasing
+    order. MODE A_FIRST / B_FIRST / BOTH_2D: `a`, `b` FP8 values as float32, `sa` (M, ceil(K / block)) and `sb`
+    (N, ...) float32 block scales, `fma(P * s1, s2, y)` as the modes say. PRESCALED: `a`, `b` float32 values
+    already times their block scales (NVFP4: exact in TF32), `sa`, `sb` None, `y = y + dot`. Any strides.
+    None when Triton cannot compile or launch the kernel here (a Triton error, warned once: the caller then takes its
+    torch path, which gives the same numbers); other errors propagate."""
+    where = "kernels.block_gemm_tiles"
+    f64 = mode != PRESCALED
+    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[1] or a.device != b.device \
+            or a.dtype != torch.float32 or b.dtype != torch.float32:
+        raise ValueError(f"{where}: expected A (M, K) and B (N, K) float32 on one device, got {tuple(a.shape)} "
+                         f"{a.dtype} on {a.device} and {tuple(b.shape)} {b.dtype} on {b.device}")
+    (m, k), n = a.shape, b.shape[0]
+    nb = cdiv(k, block)
+    if f64:
+        if sa.shape[0] != m or sb.shape[0] != n or sa.shape[1] < nb or sb.shape[1] < nb \
+                or sa.dtype != torch.float32 or sb.dtype != torch.float32:
+            raise ValueError(f"{where}: scales {tuple(sa.shape)} {sa.dtype} and {tuple(sb.shape)} {sb.dtype} do not "
+                             f"fit A {tuple(a.shape)} and B {tuple(b.shape)} in blocks of {block}")
+    else:
+        sa = sb = a  # not read
+    y = torch.empty(m, n, dtype=torch.float32, device=a.device)
+    if m == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_()
+    if _failure:
+        return None
+    bm, bn, warps, stages = _TILES[f64]
+    try:
+        _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64, bm, bn, warps, stages)
+    except Exception as e:  # noqa: BLE001 - only Triton's own errors (compiler, resources) are caught
+        if type(e).__module__.split(".")[0] != "triton":
+            raise
+        _failure.append(f"{type(e).__name__}: {e}")
+        warnings.warn(f"fp8kit: the Triton block GEMM kernel failed ({_failure[0]}); block-scaled GEMMs take the "
+                      "torch path from now on (the same numbers, slower)", RuntimeWarning, stacklevel=3)
+        return None
+    return y
+
+
+def _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64, bm, bn, warps, stages) -> None:
+    launch("block_gemm_kernel", (cdiv(m, bm), cdiv(n, bn)), a.device,
+           (a, b, sa, sb, y, m, n, k, nb, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
+            sa.stride(0) if f64 else 0, sa.stride(1) if f64 else 0, sb.stride(0) if f64 else 0,
+            sb.stride(1) if f64 else 0),
+           dict(BLOCK=block, KC=min(block, 32), BM=bm, BN=bn, MODE=mode, F64=f64, num_warps=warps,
+                num_stages=stages), reads=(a, b), writes=(y,),
+           file="triton_block_gemm")
