@@ -160,3 +160,20 @@ def test_compiled_code(arch, monkeypatch, tmp_path):
             mma = "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" if arch == 90 \
                 else "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
             assert mma in ptx and re.search(r"\badd(\.rn)?\.f32", ptx)
+
+
+def test_the_block_kernel_needs_an_explicit_switch(monkeypatch):
+    """Not run on a GPU yet: the CUDA default of the cast kernels does not turn it on; FP8KIT_TRITON=1 does."""
+    from fp8kit.pytorch import block_gemm
+
+    x = torch.empty(4, 4, device="meta")
+    monkeypatch.delenv("FP8KIT_TRITON", raising=False)
+    with kernels.enabled_as(None):
+        assert not block_gemm.use_kernel(x)
+    with kernels.enabled_as(True):
+        assert block_gemm.use_kernel(x)
+    monkeypatch.setenv("FP8KIT_TRITON", "1")
+    kernels.refresh()
+    assert block_gemm.use_kernel(x)
+    monkeypatch.delenv("FP8KIT_TRITON")
+    kernels.refresh()

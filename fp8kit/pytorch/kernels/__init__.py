@@ -37,7 +37,7 @@ from .update_ops import update, update_tensors
 __all__ = ["enabled", "set_enabled", "enabled_as", "refresh", "available", "use_for", "interpreter_on", "kernel_module",
            "cast_amax", "cast", "cast_transpose_amax", "cast_transpose_dbias", "amax", "current_cast",
            "current_cast_transpose_dbias",
-           "update", "update_tensors", "observe_launches", "Launch", "on_for"]
+           "update", "update_tensors", "observe_launches", "Launch", "on_for", "opted_in"]
 
 _enabled: Optional[bool] = None  # None: follow FP8KIT_TRITON
 _triton_ok: Optional[bool] = None
@@ -75,6 +75,13 @@ def use_for(x: torch.Tensor) -> bool:
     calls it), so that a cast reads no environment variable."""
     return _enabled_now[0] is not False and x.dtype in (torch.float32, torch.bfloat16, torch.float16) \
         and x.is_contiguous() and on_for(x.device)
+
+
+def opted_in() -> bool:
+    """Whether the kernels were turned on explicitly (`FP8KIT_TRITON=1` or `set_enabled(True)`) as of the last
+    `refresh()`: the switch of kernels that have not run on a GPU yet (the block GEMMs), which the CUDA default does
+    not turn on."""
+    return _enabled_now[0] is True
 
 
 def on_for(device) -> bool:
