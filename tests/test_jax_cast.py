@@ -31,11 +31,7 @@ def assert_same_as_reference(x_np32, q, fmt, scale):
     want, want_inv = ref.cast(x_np32, fmt, scale)
     got = _bytes(q)
     assert got.shape == want.shape
-    dtype = ref.FP8[fmt][0]
-    got_nan = np.isnan(got.view(dtype).astype(np.float32))
-    want_nan = np.isnan(want.view(dtype).astype(np.float32))
-    np.testing.assert_array_equal(got_nan, want_nan)
-    np.testing.assert_array_equal(got[~got_nan], want[~want_nan])
+    np.testing.assert_array_equal(got, want)  # NaN included: 0x7F whatever its sign, as the torch side and a GPU
     assert q.scale_inv.dtype == jnp.float32 and q.scale_inv.shape == ()
     assert np.float32(q.scale_inv).view(np.uint32) == want_inv.view(np.uint32)
 

@@ -202,12 +202,16 @@ def scaled_float32(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def cast_to_fp8(x: jax.Array, scale: jax.Array, fp8_dtype) -> jax.Array:
-    """The FP8 values of `saturate(float32(x) * scale)`, rounded to nearest even; `scale` a float32 scalar."""
+    """The FP8 values of `saturate(float32(x) * scale)`, rounded to nearest even; `scale` a float32 scalar. A NaN is
+    the byte 0x7F whatever its sign, as on a GPU (docs/numerics.md; XLA's CPU conversion keeps the sign and writes
+    0x7E for E5M2)."""
     fp8_dtype = jnp.dtype(fp8_dtype)
     fp8_max = _f32(FP8_MAX[fp8_dtype])
     y = scaled_float32(x, scale)
-    y = jnp.where(jnp.isnan(y), y, jnp.clip(y, -fp8_max, fp8_max))  # JAX's own conversion does not saturate
-    return y.astype(fp8_dtype)
+    nan = jnp.isnan(y)
+    q = jnp.where(nan, 0, jnp.clip(y, -fp8_max, fp8_max)).astype(fp8_dtype)  # JAX's conversion does not saturate
+    return lax.bitcast_convert_type(jnp.where(nan, jnp.uint8(0x7F), lax.bitcast_convert_type(q, jnp.uint8)),
+                                    fp8_dtype)
 
 
 @jax.tree_util.register_dataclass
