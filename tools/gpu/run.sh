@@ -1,7 +1,9 @@
 #!/bin/bash
 # Issue 26: every GPU check in one command on the device machine; each section a process with its own time limit,
-# results under $OUT (at most 8 files). Usage: bash tools/gpu/run.sh SECTION... (env pytest casts bench overhead
-# graphs blocks compilebench); PYTEST_ARGS overrides the pytest selection.
+# results under $OUT (at most 8 files). Usage: bash tools/gpu/run.sh SECTION... (env pytest cudagrads casts bench
+# bench8k benchffn bench4k overhead graphs compile blocks profile compilebench); PYTEST_ARGS overrides the pytest
+# selection. Next GPU session, in order of what is open (docs/performance.md "GPU"):
+#   bash tools/gpu/run.sh env cudagrads pytest compile profile overhead casts bench8k
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -44,6 +46,12 @@ for s in "$@"; do
   blocks)
     sec blocks+fsdp; timeout 100 $PY tools/gpu/check_blocks_fsdp.py --device cuda --budget 80 \
       --out "$OUT/blocks_fsdp.json" ;;
+  profile)
+    sec profile; timeout 90 $PY tools/gpu/profile_linear.py --shape 8192x8192x8192 --shape 4096x4096x4096 \
+      --out "$OUT/profile.txt" ;;
+  cudagrads)
+    sec cudagrads; timeout 120 $PY -m pytest tests/test_cuda_grads.py -q -p no:cacheprovider -rfE --tb=short \
+      2>&1 | tee "$OUT/cuda_grads.txt" | tail -30 ;;
   compilebench)
     sec compilebench; timeout 150 $PY -m fp8kit bench --compile --device cuda --quick --json "$OUT/compile_bench.json" ;;
   esac
