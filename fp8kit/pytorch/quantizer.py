@@ -19,6 +19,22 @@ from .state import ScalingState
 from .tensor.storage import Float8TensorStorage
 
 
+@torch.library.custom_op("fp8kit::scale_snapshot", mutates_args=())
+def scale_snapshot(scale: torch.Tensor) -> torch.Tensor:
+    """A copy of a delayed-scaling scale, as an operation the compiler keeps (torch.compile only). The scale is a
+    view of a state that the same compiled forward updates in place (the autocast exit); inductor's partitioner
+    recomputes cheap casts in the backward from their inputs, and recomputed from the updated scale a weight's FP8
+    bytes no longer matched their saved `scale_inv` (the data gradient off by the scale's change, first step, found
+    on a GPU run and reproduced by tools/gpu/sim_accelerator_compile.py). A custom operation is saved, not
+    recomputed, so the backward reads the bytes' own scale."""
+    return scale.clone()
+
+
+@scale_snapshot.register_fake
+def _scale_snapshot_fake(scale: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(scale)
+
+
 class DelayedQuantizer:
     """Casts with the slot's current scale and max-accumulates the tensor's amax into the staging row."""
 
@@ -56,6 +72,8 @@ class DelayedQuantizer:
         a = amax(x)
         self.state.record(self.slot, a)
         scale = self.state.scale[self.slot]
+        if torch.compiler.is_compiling():
+            scale = scale_snapshot(scale)
         q = cast(x, scale, self.fp8_dtype)
         if self.stats is not None:
             self.stats.record(x, q, scale, a)

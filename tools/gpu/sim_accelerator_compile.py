@@ -1,0 +1,69 @@
+"""torch.compile of fp8kit's accelerator GEMM path, simulated on a CPU: the per-tensor GEMM rule sends CPU operands
+through `gemm.scaled_mm` (torch's CPU `_scaled_mm`, as on a GPU) and the casts write the transposes a GPU's GEMMs
+read. Compares a compiled two-Linear net with an eager one, step by step (outputs and gradients, bit for bit).
+
+    python tools/gpu/sim_accelerator_compile.py current aot_eager
+    python tools/gpu/sim_accelerator_compile.py delayed aot_eager
+
+Why it exists: on an H200 (torch 2.11) the compiled CUDA step's gradients differed from eager's (docs/performance.md,
+"GPU"). This simulation reproduced one cause on a CPU: under delayed scaling and inductor, the partitioner
+recomputed the weight's FP8 cast in the backward from the scale that the forward's autocast exit had updated in
+place, so the first step's data gradient was off by the scale's change (aot_eager, which does not recompute, was
+exact). Fixed by `quantizer.scale_snapshot`; tests/test_compile.py::test_inductor_on_the_accelerator_gemm_path_
+matches_eager is this check as a test. The GPU differences under current scaling and aot_eager are not explained by
+it: tests/test_cuda_grads.py decides them on a GPU.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torch  # noqa: E402
+
+import fp8kit.pytorch as te  # noqa: E402
+from fp8kit.pytorch import gemm as G  # noqa: E402
+from fp8kit.pytorch import host  # noqa: E402
+from fp8kit.pytorch.tensor import storage as S  # noqa: E402
+from fp8kit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
+
+
+def per_tensor_gemm(a, b, out_dtype, bias=None, use_fast_accum=False):
+    if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
+        return G.widened_gemm(a, b, out_dtype, bias)
+    return G.scaled_mm(a, b, out_dtype, bias, use_fast_accum)
+G._RULES.register(S.Float8TensorStorage, per_tensor_gemm)
+
+def with_transpose(self):
+    if self._transpose is None or self._transpose_invalid:
+        self._create_transpose()
+    return self
+S.Float8TensorStorage.with_transpose = with_transpose
+
+torch.manual_seed(4)
+recipe = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_history_len=4)}[sys.argv[1]]
+backend = sys.argv[2] if len(sys.argv) > 2 else "aot_eager"
+def net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(te.Linear(96, 64, params_dtype=torch.bfloat16), torch.nn.ReLU(),
+                               te.Linear(64, 80, params_dtype=torch.bfloat16))
+eager, comp = net(), net()
+comp.load_state_dict(eager.state_dict())
+def fwd(m, x):
+    with te.autocast(recipe=recipe):
+        return m(x)
+fwd_c = torch.compile(fwd, fullgraph=True, backend=backend)
+with host.tensor_path():
+    for step in range(3):
+        x = torch.randn(48, 96, dtype=torch.bfloat16) * 10.0 ** (step - 1)
+        dy = torch.randn(48, 80, dtype=torch.bfloat16)
+        res = []
+        for m, f in ((eager, fwd), (comp, fwd_c)):
+            xi = x.clone().requires_grad_()
+            y = f(m, xi)
+            y.backward(dy)
+            res.append([y.detach(), xi.grad] + [p.grad.clone() for p in m.parameters()])
+            m.zero_grad(set_to_none=True)
+        te.apply_pending_updates()
+        names = ["y", "dx"] + [n for n, _ in eager.named_parameters()]
+        diffs = {n: (torch.equal(a, b), float((a.float() - b.float()).abs().max())) for n, a, b in zip(names, *res)}
+        print(step, diffs)
