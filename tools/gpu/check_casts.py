@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import torch  # noqa: E402
 
+from fp8kit.bench_common import Timer  # noqa: E402
 from fp8kit.pytorch import kernels  # noqa: E402
 from fp8kit.pytorch.cast import amax as torch_amax  # noqa: E402
 from fp8kit.pytorch.cast import cast_1d  # noqa: E402
@@ -31,27 +32,8 @@ from fp8kit.pytorch.quantizer import CurrentQuantizer, bias_grad, with_transpose
 E4M3 = torch.float8_e4m3fn
 
 
-def _timer(device):
-    if device.type == "cuda":
-        def run(fn, reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(reps):
-                fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / reps
-    else:
-        def run(fn, reps):
-            t0 = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            return (time.perf_counter() - t0) * 1e3 / reps
-    return run
-
-
 def _median_ms(fn, device, reps, rounds=7):
-    run = _timer(device)
+    run = Timer(device)
     fn()
     fn()
     return statistics.median(run(fn, reps) for _ in range(rounds))
@@ -73,7 +55,7 @@ def _graph_median_ms(fn, reps, rounds=7):
     except Exception:  # noqa: BLE001
         return None
     graph.replay()
-    run = _timer(torch.device("cuda"))
+    run = Timer(torch.device("cuda"))
     return statistics.median(run(graph.replay, 1) / reps for _ in range(rounds))
 
 

@@ -160,6 +160,22 @@ def build_stack(cfg, dev, seed=0):
     return torch.nn.Sequential(*layers)
 
 
+def compare_step(rec, eager, other, close=None) -> None:
+    """Fill `rec` with the comparisons of one step: `eager` and `other` are (output, input grad, model); the
+    parameter gradients may be `close` (a label -> rtol or None) instead of equal."""
+    (y_e, dx_e, m_e), (y_o, dx_o, m_o) = eager, other
+    rec["output"] = compare_many([("out", y_e, y_o)])
+    rec["input_grad"] = compare_many([("dx", dx_e, dx_o)])
+    rec["param_grads"] = compare_many([(n, p.grad, q.grad) for (n, p), q in
+                                       zip(m_e.named_parameters(), m_o.parameters())], close=close)
+    s_e, s_o = states(m_e), states(m_o)
+    rec["states"] = compare_many([(la, a, b) for (la, a), (_, b) in zip(s_e, s_o)])
+    rec["states"]["count_same"] = len(s_e) == len(s_o)
+    rec["n_state_tensors"] = len(s_e)
+    rec["ok"] = all(rec[k]["equal"] for k in ("output", "input_grad", "param_grads", "states")) \
+        and rec["states"]["count_same"]
+
+
 def identical_pair(build):
     a, b = build(), build()
     if not all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters())):
@@ -240,16 +256,7 @@ def check_graphs(recipe_name, cfg, dev, args, remaining):
                 sync(dev)
                 tg = time.perf_counter() - t
                 rec = {"step": i, "input_scale": scale, "graphed_step_s": round(tg, 4)}
-                rec["output"] = compare_many([("out", y_e, y_g)])
-                rec["input_grad"] = compare_many([("dx", dx_e, dx_g)])
-                rec["param_grads"] = compare_many([(n, p.grad, q.grad) for (n, p), q in
-                                                   zip(eager.named_parameters(), graphed.parameters())])
-                s_e, s_g = states(eager), states(graphed)
-                rec["states"] = compare_many([(la, a, b) for (la, a), (_, b) in zip(s_e, s_g)])
-                rec["states"]["count_same"] = len(s_e) == len(s_g)
-                rec["n_state_tensors"] = len(s_e)
-                rec["ok"] = all(rec[k]["equal"] for k in ("output", "input_grad", "param_grads", "states")) \
-                    and rec["states"]["count_same"]
+                compare_step(rec, (y_e, dx_e, eager), (y_g, dx_g, graphed))
                 all_ok &= rec["ok"]
                 steps.append(rec)
                 eager.zero_grad(set_to_none=True)
@@ -352,17 +359,8 @@ def compile_side_by_side(recipe, ccfg, dev, args, backend):
         te.apply_pending_updates()  # a compiled step leaves its backward update pending
         rec = {"step": i, "input_scale": scale, "compiled_step_s": round(first_steps[-1], 4),
                "frame_count": counter.frame_count}
-        rec["output"] = compare_many([("out", y_e, y_c)])
-        rec["input_grad"] = compare_many([("dx", dx_e, dx_c)])
-        rec["param_grads"] = compare_many(
-            [(n, p.grad, q.grad) for (n, p), q in zip(eager.named_parameters(), comp.parameters())],
-            close=lambda label: bias_rtol(dtype) if label.endswith("bias") else None)
-        s_e, s_c = states(eager), states(comp)
-        rec["states"] = compare_many([(la, a, b) for (la, a), (_, b) in zip(s_e, s_c)])
-        rec["states"]["count_same"] = len(s_e) == len(s_c)
-        rec["n_state_tensors"] = len(s_e)
-        rec["ok"] = all(rec[k]["equal"] for k in ("output", "input_grad", "param_grads", "states")) \
-            and rec["states"]["count_same"]
+        compare_step(rec, (y_e, dx_e, eager), (y_c, dx_c, comp),
+                     close=lambda label: bias_rtol(dtype) if label.endswith("bias") else None)
         all_ok &= rec["ok"]
         steps.append(rec)
         eager.zero_grad(set_to_none=True)
