@@ -138,3 +138,28 @@ def test_general_path_and_compute_update_match_the_reference(recipe):
         np.testing.assert_array_equal(got_s.numpy().view(np.uint32), want_s.view(np.uint32))
         np.testing.assert_array_equal(history.numpy().view(np.uint32), h.view(np.uint32))  # inputs untouched
         np.testing.assert_array_equal(scale.numpy().view(np.uint32), s.view(np.uint32))
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:3], ids=_name)
+def test_states_on_several_devices_update_each_as_alone(recipe):
+    """One registry key can hold modules on several devices (a CPU copy of a GPU model under the same recipe); the
+    update takes each device's states on their own (it concatenated them, which failed on the first GPU run), and a
+    CPU state's result equals its update alone."""
+    rng = np.random.default_rng(7)
+    fmt_max = 448.0
+
+    def make(device):
+        state = ScalingState(3, recipe.amax_history_len, device=device)
+        state.amax_history.copy_(torch.from_numpy(np.stack([_column(rng, recipe.amax_history_len)
+                                                            for _ in range(3)], axis=1)))
+        return state
+
+    mixed = [make("cpu"), make("meta"), make("cpu")]
+    alone = [ScalingState(3, recipe.amax_history_len) for _ in range(2)]
+    for a, m in zip(alone, (mixed[0], mixed[2])):
+        a.amax_history.copy_(m.amax_history)
+    update_each(mixed, recipe, fmt_max)
+    update_each(alone, recipe, fmt_max)
+    for a, m in zip(alone, (mixed[0], mixed[2])):
+        assert torch.equal(a.amax_history.view(torch.int32), m.amax_history.view(torch.int32))
+        assert torch.equal(a.scale.view(torch.int32), m.scale.view(torch.int32)) and int(a.count) == int(m.count)

@@ -438,6 +438,13 @@ def update_states(states: List[ScalingState], recipe: DelayedScaling, fp8_max: f
     if not states:
         return
     device = states[0].scale.device
+    if any(s.scale.device != device for s in states):  # one key, modules on several devices: each on its own
+        by_device = {}
+        for s in states:
+            by_device.setdefault(s.scale.device, []).append(s)
+        for group in by_device.values():
+            update_states(group, recipe, fp8_max)
+        return
     if host.active(device) and not recipe.uses_callables:
         host.update_states(states, recipe, fp8_max)
     elif not recipe.uses_callables and recipe.interval == 1 and kernels.on_for(device):
