@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 26: every GPU check in one command on the device machine; each section a process with its own time limit,
 # results under $OUT (at most 8 files). Usage: bash tools/gpu/run.sh SECTION... (env pytest cudagrads casts bench
-# bench8k benchffn bench4k overhead graphs compile blocks profile hostprof compilebench); PYTEST_ARGS overrides the pytest
+# bench8k benchffn bench4k overhead graphs compile blocks profile hostprof diagcompile compilebench); PYTEST_ARGS overrides the pytest
 # selection. Next GPU session, in order of what is open (docs/performance.md "GPU"):
 #   bash tools/gpu/run.sh env cudagrads pytest compile profile overhead casts bench8k
 set -u
@@ -52,6 +52,9 @@ for s in "$@"; do
   cudagrads)
     sec cudagrads; timeout 120 $PY -m pytest tests/test_cuda_grads.py -q -p no:cacheprovider -rfE --tb=short \
       2>&1 | tee "$OUT/cuda_grads.txt" | tail -30 ;;
+  diagcompile)
+    sec diagcompile; TORCH_LOGS=aot_graphs timeout 150 $PY tools/gpu/diag_compile.py --out "$OUT/diag_compile.json" \
+      2> "$OUT/aot_graphs.txt" ;;
   hostprof)
     sec hostprof; timeout 60 $PY tools/gpu/host_profile.py --out "$OUT/host_profile.txt" | tail -5 ;;
   compilebench)
