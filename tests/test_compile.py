@@ -359,3 +359,29 @@ def test_inductor_on_the_accelerator_gemm_path_matches_eager(recipe_name, monkey
                     assert torch.equal(a, b), f"step {step}, gradient {i}"
     finally:
         gemm.register_gemm_rule(Float8TensorStorage, gemm.per_tensor_gemm)
+
+
+def test_state_setup_inside_compile_refused_where_torch_loses_it(monkeypatch):
+    """torch < 2.12 loses the tensors a module's first delayed-scaling call sets up while torch.compile traces it (no
+    amax recorded, no scale updated: seen on torch 2.11). There fp8kit refuses that call with a message naming the
+    way out (one eager step first), and the compiled steps after an eager one work."""
+    from fp8kit.pytorch import compiled
+
+    monkeypatch.setattr(compiled, "SETUP_TRACEABLE", False)
+    torch._dynamo.reset()
+    recipe = DelayedScaling(amax_history_len=4)
+    layer = te.Linear(32, 32)
+
+    def fwd(x):
+        with te.autocast(recipe=recipe):
+            return layer(x)
+
+    fwd_c = torch.compile(fwd, fullgraph=True, backend="eager")
+    x = torch.randn(16, 32, requires_grad=True)
+    with pytest.raises(Exception, match="one step eagerly"):
+        fwd_c(x)
+    fwd(x).sum().backward()  # the eager step sets the state up
+    before = layer.fp8_meta["scaling_fwd"].amax_history.clone()
+    fwd_c(x * 2).sum().backward()
+    after = layer.fp8_meta["scaling_fwd"].amax_history
+    assert not torch.equal(before, after) and float(after.max()) == float((x * 2).abs().max())

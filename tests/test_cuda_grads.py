@@ -74,11 +74,11 @@ def test_cuda_compiled_step_equals_eager(recipe_name):
             return layer(x)
 
     fwd_c = torch.compile(fwd, fullgraph=True, backend="aot_eager")
-    for step in range(3):
+    for step in range(4):  # step 0 eager for both: torch < 2.12 cannot trace the state's setup (docs/pytorch.md, "torch.compile and CUDA graphs")
         x = torch.randn(48, 96, dtype=torch.bfloat16, device=DEV) * 10.0 ** (step - 1)
         dy = torch.randn(48, 64, dtype=torch.bfloat16, device=DEV)
         results = []
-        for layer, fn in ((eager, fwd), (compiled, fwd_c)):
+        for layer, fn in ((eager, fwd), (compiled, fwd_c if step else fwd)):
             xi = x.clone().requires_grad_()
             fn(layer, xi).backward(dy)
             results.append([xi.grad, layer.weight.grad, layer.bias.grad])

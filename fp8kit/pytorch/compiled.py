@@ -31,12 +31,32 @@ from ..recipe import DelayedScaling
 from .registry import all_keys, entry, reduces, update_key
 from .state import ScalingState, update_states
 
-__all__ = ["compiling", "TracedCalls", "note_compiled_call", "PENDING", "flagged_forward", "flush_backward"]
+__all__ = ["compiling", "check_state_setup", "TracedCalls", "note_compiled_call", "PENDING", "flagged_forward", "flush_backward"]
 
 
 def compiling() -> bool:
     """True while torch.compile traces (fp8kit then takes the tensor path and keeps no per-step Python state)."""
     return torch.compiler.is_compiling()
+
+
+def _torch_minor() -> Tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+# torch.compile before torch 2.12 (2.11 seen) loses the tensors a traced call gives a module's delayed-scaling state
+# the first time (the state placed into its key's flat buffer while tracing): the compiled graph records no amax and
+# updates no scale, silently (docs/pytorch.md, "torch.compile and CUDA graphs")
+SETUP_TRACEABLE = _torch_minor() >= (2, 12)
+
+
+def check_state_setup(module_name: str) -> None:
+    """Refuse to set up a module's delayed-scaling state inside a compiled region where torch cannot trace it."""
+    if compiling() and not SETUP_TRACEABLE:
+        raise RuntimeError(
+            f"fp8kit: {module_name}'s first delayed-scaling call under this recipe is inside torch.compile, and torch "
+            f"{torch.__version__} loses the FP8 state such a call sets up (no amax would be recorded, no scale "
+            "updated). Run one step eagerly, outside torch.compile, with the same recipe first, or use torch >= 2.12")
 
 
 class _Pending:

@@ -347,6 +347,12 @@ def compile_side_by_side(recipe, ccfg, dev, args, backend):
         return torch.randn(tokens, hidden, device=dev, dtype=dtype, generator=gen) * scale
 
     steps, all_ok, first_steps = [], True, []
+    warm_x, warm_dy = rand(), rand()  # one eager step for both first: torch < 2.12 cannot trace the state's setup
+    for fn in (fwd_e, fwd_inner):
+        run_net(fn, warm_x, warm_dy)
+    te.apply_pending_updates()
+    eager.zero_grad(set_to_none=True)
+    comp.zero_grad(set_to_none=True)
     for i in range(args.steps):
         scale = 10.0 ** (i % 3 - 1)  # magnitudes change: the scales move
         x, dy = rand(scale), rand()

@@ -12,7 +12,7 @@ import torch
 from ...recipe import DelayedScaling, Float8CurrentScaling
 from .. import host
 from ..autocast import Frame, current_frame, has_pending_backward, register
-from ..compiled import compiling, note_compiled_call
+from ..compiled import check_state_setup, compiling, note_compiled_call
 from ..dist_rules import label_states
 from ..fp8_weights import parameter_attributes, renew_weight_quantizers, restore_parameter_attributes
 from ..recipe_families import FAMILIES
@@ -271,6 +271,7 @@ class FP8StateMixin:
                 and fwd.scale.device == device and bwd.scale.device == device:
             meta["recipe"] = frame.recipe  # registered under this key, so sized for its recipe already
             return fwd, bwd
+        check_state_setup(type(self).__name__)
         length = frame.recipe.amax_history_len
         for name, per_gemm in _PASSES:
             state = meta[name]
