@@ -74,7 +74,7 @@ def test_cuda_compiled_step_equals_eager(recipe_name):
             return layer(x)
 
     fwd_c = torch.compile(fwd, fullgraph=True, backend="aot_eager")
-    for step in range(4):  # step 0 eager for both: torch < 2.12 cannot trace the state's setup (docs/pytorch.md, "torch.compile and CUDA graphs")
+    for step in range(4):  # step 0 eager for both: torch < 2.12 cannot trace the state's setup (docs/pytorch.md)
         x = torch.randn(48, 96, dtype=torch.bfloat16, device=DEV) * 10.0 ** (step - 1)
         dy = torch.randn(48, 64, dtype=torch.bfloat16, device=DEV)
         results = []

@@ -31,7 +31,8 @@ from ..recipe import DelayedScaling
 from .registry import all_keys, entry, reduces, update_key
 from .state import ScalingState, update_states
 
-__all__ = ["compiling", "check_state_setup", "TracedCalls", "note_compiled_call", "PENDING", "flagged_forward", "flush_backward"]
+__all__ = ["compiling", "check_state_setup", "TracedCalls", "note_compiled_call", "PENDING", "flagged_forward",
+           "flush_backward"]
 
 
 def compiling() -> bool:
