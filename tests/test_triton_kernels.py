@@ -314,7 +314,8 @@ def test_grids_fit_cuda_limits(shape, transpose):
 
 
 def test_launch_makes_the_tensors_device_current(monkeypatch):
-    """Triton launches on the current CUDA device: `launch` enters `torch.cuda.device(x.device)` around it.
+    """Triton launches on the current CUDA device: `launch` enters `torch.cuda.device(x.device)` around it when
+    that device is not current already.
     Checked with stand-ins for the CUDA context and the kernel module (no GPU here)."""
     from fp8kit.pytorch.kernels import launch as launch_mod
 
@@ -338,7 +339,12 @@ def test_launch_makes_the_tensors_device_current(monkeypatch):
         cast_flat_kernel = Kernel()
 
     monkeypatch.setattr(torch.cuda, "device", Guard)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(launch_mod, "module_for", lambda device, file="triton_fp8": Module())
+    monkeypatch.setattr(launch_mod, "_KERNELS", {})
     device = torch.device("cuda", 1)
     launch_mod.launch("cast_flat_kernel", (3,), device, (), {})
     assert events == [("enter", device), ("launch", (3,)), ("exit", device)]
+    events.clear()  # on the current device already: no switch
+    launch_mod.launch("cast_flat_kernel", (4,), torch.device("cuda", 0), (), {})
+    assert events == [("launch", (4,))]

@@ -22,6 +22,40 @@ import fp8kit.pytorch as te  # noqa: E402
 from fp8kit.bench_common import CURRENT, DELAYED  # noqa: E402
 
 
+def primitives(dev, sync, n=2000) -> str:
+    """Host microseconds per call of what one FP8 Linear step is made of (no profiler: cProfile inflates Python)."""
+    from fp8kit.pytorch import kernels
+    from fp8kit.pytorch.kernels import cast_ops
+
+    x = torch.randn(16, 64, device=dev)
+    a8 = x.to(torch.float8_e4m3fn)
+    b8 = torch.randn(64, 64, device=dev).to(torch.float8_e4m3fn).t()
+    one = torch.ones((), device=dev)
+    cases = {"torch.zeros(()) int32": lambda: torch.zeros((), dtype=torch.int32, device=dev),
+             "torch.empty(()) f32": lambda: torch.empty((), device=dev),
+             "x.mul(2) (one aten op)": lambda: x.mul(2)}
+    if dev.type == "cuda":
+        cases["torch._scaled_mm 16x64x64"] = lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16)
+    if kernels.on_for(dev):
+        cases["kernels amax (zeros + 1 launch)"] = lambda: cast_ops.amax(x)
+        cases["kernels current_cast (zeros, 4 empty, 2 launches)"] = \
+            lambda: cast_ops.current_cast(x, torch.float8_e4m3fn, raw=True)
+    out = ["-- host us per call (median of 5 x %d calls) --" % n]
+    for name, fn in cases.items():
+        for _ in range(50):
+            fn()
+        sync()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                fn()
+            times.append((time.perf_counter() - t0) / n * 1e6)
+            sync()
+        out.append(f"{name:55s} {sorted(times)[2]:8.2f}")
+    return "\n".join(out)
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -33,6 +67,8 @@ def main():
     lines = [f"{torch.cuda.get_device_name() if dev.type == 'cuda' else 'cpu'} torch {torch.__version__}"]
     x = torch.randn(16, 64, device=dev).requires_grad_()
     dy = torch.randn(16, 64, device=dev)
+    lines.append(primitives(dev, sync))
+    print(lines[-1], flush=True)
     for name, recipe in (("torch.nn.Linear", None), ("current", CURRENT), ("delayed", DELAYED)):
         layer = (torch.nn.Linear(64, 64, device=dev) if recipe is None else te.Linear(64, 64, device=dev))
 

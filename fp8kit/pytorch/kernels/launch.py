@@ -30,6 +30,7 @@ class Launch(NamedTuple):
 
 
 _observers: List[list] = []
+_NO_SWITCH = contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -57,10 +58,26 @@ def module_for(device: torch.device, file: str = "triton_fp8"):
     raise RuntimeError(f"fp8kit Triton kernels: unsupported device {device}")
 
 
+_KERNELS: dict = {}  # (file, kernel name) -> the compiled Triton function for CUDA (looked up once)
+
+
+def _kernel(device: torch.device, file: str, kernel: str):
+    if device.type != "cuda":  # the interpreter's module: looked up each time (TRITON_INTERPRET is read then)
+        return getattr(module_for(device, file), kernel)
+    key = (file, kernel)
+    fn = _KERNELS.get(key)
+    if fn is None:
+        fn = _KERNELS[key] = getattr(module_for(device, file), kernel)
+    return fn
+
+
 def _context(device: torch.device):
-    """CUDA: make `device` current for the launch (Triton launches on the current device and its current stream).
-    CPU: the interpreter computes in NumPy, which warns on the divisions by 0 and overflows the kernels handle."""
+    """CUDA: make `device` current for the launch (Triton launches on the current device and its current stream),
+    unless it is already (the usual case: no device switch, no context manager to enter). CPU: the interpreter
+    computes in NumPy, which warns on the divisions by 0 and overflows the kernels handle."""
     if device.type == "cuda":
+        if device.index is None or device.index == torch.cuda.current_device():
+            return _NO_SWITCH
         return torch.cuda.device(device)
     if device.type == "cpu":
         import numpy as np
@@ -80,7 +97,7 @@ def launch(kernel: str, grid: Tuple[int, ...], device: torch.device, args: Seque
             records.append(record)
     if device.type == "meta":
         return
-    fn = getattr(module_for(device, file), kernel)
+    fn = _kernel(device, file, kernel)
     if device.type == "cpu":  # the interpreter reads tensors through NumPy, which refuses ones that require grad
         args = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
     with _context(device):
