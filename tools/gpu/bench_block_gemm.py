@@ -27,8 +27,7 @@ VARIANTS = {
     "rank1 64x64 w4 kc8 (host)": (64, 64, 4, 2, 8, False, False),
     "rank1 64x64 w4 kc8 f64-in": (64, 64, 4, 2, 8, False, True),
     "rank1 128x128 w8 kc8": (128, 128, 8, 2, 8, False, False),
-    "rank1 128x128 w8 kc8 f64-in": (128, 128, 8, 2, 8, False, True),
-    "rank1 64x64 w4 kc32": (64, 64, 4, 2, 32, False, False),
+    "rank1 128x64 w4 kc4": (128, 64, 4, 2, 4, False, False),
     "dot64 64x64 w4 kc32": (64, 64, 4, 2, 32, True, False),
     "dot64 128x128 w8 kc32": (128, 128, 8, 2, 32, True, False),
 }

@@ -7,6 +7,7 @@ stays in registers across the K blocks, so the per-block rounding costs no pass 
 
 from __future__ import annotations
 
+import functools
 import os
 import traceback
 import warnings
@@ -52,10 +53,25 @@ _TILES = {True: (64, 64, 4, 2), False: (128, 128, 8, 3)}  # F64 or not: (BM, BN,
 _INTERPRETER_TILES = (128, 128, 1, 1)  # CPU (the interpreter): fewer, larger programs (its cost is per operation)
 
 
-def kc_for(block: int, f64: bool) -> int:
-    """The kernel's KC: the K columns one step of its inner loop takes (F64: rank-1 updates unrolled; else the
-    width of one TF32 dot). A power of two dividing `block`."""
-    return min(block, 8 if f64 else 32)
+def dot64_for(device: torch.device) -> bool:
+    """The kernel's DOT64: a block's float64 sum on the float64 MMA (`tl.dot`) where measured fastest and compiled by
+    Triton 3.6 and 3.9 (sm_90: 3.0-3.5 ms for MXFP8 and Float8 block at 4096^3 on an H200, against 76-890 ms for the
+    rank-1 updates) and in the interpreter; the float64 rank-1 updates elsewhere (sm_100: Triton 3.6 cannot lower a
+    float64 dot there; sm_89). Both give the same bits (the sums are exact)."""
+    if device.type == "cpu":
+        return True  # the interpreter: NumPy's dot is fast where its rank-1 loop is not (tests force both)
+    return device.type == "cuda" and dot64_for_capability(
+        _capability(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def dot64_for_capability(capability: tuple) -> bool:
+    """DOT64 on a CUDA device of this compute capability (major, minor): sm_90 only."""
+    return capability[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode: int) -> Optional[torch.Tensor]:
@@ -89,7 +105,7 @@ def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode:
         return None
     bm, bn, warps, stages = _INTERPRETER_TILES if a.device.type == "cpu" else _TILES[f64]
     try:
-        _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64, bm, bn, warps, stages)
+        _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64 and dot64_for(a.device), bm, bn, warps, stages)
     except Exception as e:  # noqa: BLE001 - only Triton's own errors (compiler, resources) are caught
         if type(e).__module__.split(".")[0] != "triton":
             raise
@@ -100,11 +116,12 @@ def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode:
     return y
 
 
-def _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64, bm, bn, warps, stages) -> None:
+def _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, dot64, bm, bn, warps, stages) -> None:
+    f64 = mode != PRESCALED
     launch("block_gemm_kernel", (cdiv(m, bm), cdiv(n, bn)), a.device,
            (a, b, sa, sb, y, m, n, k, nb, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             sa.stride(0) if f64 else 0, sa.stride(1) if f64 else 0, sb.stride(0) if f64 else 0,
             sb.stride(1) if f64 else 0),
-           dict(BLOCK=block, KC=kc_for(block, f64), BM=bm, BN=bn, MODE=mode, F64=f64, num_warps=warps,
+           dict(BLOCK=block, KC=min(block, 32), BM=bm, BN=bn, MODE=mode, F64=f64, DOT64=dot64, num_warps=warps,
                 num_stages=stages), reads=(a, b), writes=(y,),
            file="triton_block_gemm")
