@@ -4,8 +4,10 @@ GEMM and checks that every variant gives the torch path's bits (the block sums a
     python tools/gpu/bench_block_gemm.py --shape 4096 4096 4096 --out /tmp/out/bench_block_gemm.json
     python tools/gpu/bench_block_gemm.py --device cpu --shape 64 64 256   # interpreter dry run (TRITON_INTERPRET=1)
 
-Variants: the rank-1 float64 updates (the host's choice) with tiles and unrolling varied, the same with float64
-operands (no float32 -> float64 conversion in the kernel), and the float64 MMA (`tl.dot`, sm_90 only).
+Variants: the float64 MMA (`tl.dot`, DOT64: the host's choice on sm_90) and the float64 rank-1 updates (the host's
+choice elsewhere) with tiles and unrolling varied, also with float64 operands (no float32 -> float64 conversion in
+the kernel). Not run on a GPU yet as a script: the numbers below came from the same launches patched into the
+kernel on an H200.
 """
 import argparse
 import json
@@ -22,14 +24,15 @@ from fp8kit.pytorch import kernels  # noqa: E402
 from fp8kit.pytorch.kernels import block_gemm_ops as ops  # noqa: E402
 from fp8kit.pytorch.kernels.launch import cdiv  # noqa: E402
 
-# name: (BM, BN, warps, stages, KC, DOT64, float64 operands)
+# name: (BM, BN, warps, stages, KC, DOT64, float64 operands). Measured on an H200 (Triton 3.6, 4096^3, MXFP8 /
+# Float8 block 2-D): dot64 64x64 3.48 / 3.04 ms; rank1 64x64 kc32 75.7 / 756 ms; rank1 kc8 927 / 974 ms.
 VARIANTS = {
-    "rank1 64x64 w4 kc8 (host)": (64, 64, 4, 2, 8, False, False),
-    "rank1 64x64 w4 kc8 f64-in": (64, 64, 4, 2, 8, False, True),
-    "rank1 128x128 w8 kc8": (128, 128, 8, 2, 8, False, False),
-    "rank1 128x64 w4 kc4": (128, 64, 4, 2, 4, False, False),
-    "dot64 64x64 w4 kc32": (64, 64, 4, 2, 32, True, False),
+    "dot64 64x64 w4 kc32 (host, sm_90)": (64, 64, 4, 2, 32, True, False),
     "dot64 128x128 w8 kc32": (128, 128, 8, 2, 32, True, False),
+    "rank1 64x64 w4 kc32 (host, elsewhere)": (64, 64, 4, 2, 32, False, False),
+    "rank1 64x64 w4 kc32 f64-in": (64, 64, 4, 2, 32, False, True),
+    "rank1 128x64 w4 kc32": (128, 64, 4, 2, 32, False, False),
+    "rank1 64x64 w4 kc8": (64, 64, 4, 2, 8, False, False),
 }
 
 
