@@ -216,7 +216,7 @@ def test_compiled_code(arch, monkeypatch, tmp_path):
 
 
 def test_the_block_kernel_needs_an_explicit_switch(monkeypatch):
-    """Not run on a GPU yet: the CUDA default of the cast kernels does not turn it on; FP8KIT_TRITON=1 does."""
+    """Opt-in: the CUDA default of the cast kernels does not turn it on; FP8KIT_TRITON=1 does."""
     from fp8kit.pytorch import block_gemm
 
     x = torch.empty(4, 4, device="meta")
