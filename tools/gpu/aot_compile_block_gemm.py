@@ -12,7 +12,9 @@ Prints one line per (target, combination): `ok` with the PTX's MMA and FMA instr
 (`block_gemm_ops.describe_error`); the other branch's lines say `(not used)` and do not count. Exits 1 when a
 combination the host uses failed. Why it exists: on an H200 (Triton 3.6.0) the F64 branch's float64 `tl.dot`
 failed to compile ("CompilationError at 24:20", a bare assert on the accumulator's dtype), which the interpreter
-tests on a CPU cannot see. Needs only Triton with its CUDA backend (no GPU, no CUDA install).
+tests on a CPU cannot see. Needs only Triton with its CUDA backend (no GPU, no CUDA install). Run it under the
+Triton the GPU has: front ends differ (that kernel compiles under Triton 3.9.0 and fails under 3.6.0), e.g.
+`pip install --no-deps --target /tmp/triton36 triton==3.6.0` and `PYTHONPATH=/tmp/triton36:.`.
 """
 import argparse
 import importlib.util
@@ -82,7 +84,8 @@ def main(argv=None) -> int:
     failed = 0
     for arch in args.arch:
         for cx, options, used in host_combinations(arch, args.other_branch):
-            what = (f"sm_{arch} BLOCK={cx['BLOCK']:<3} MODE={cx['MODE']} F64={int(cx['F64'])} DOT64={int(cx['DOT64'])}"
+            dot64 = int(cx["DOT64"]) if "DOT64" in fn.arg_names else "-"
+            what = (f"sm_{arch} BLOCK={cx['BLOCK']:<3} MODE={cx['MODE']} F64={int(cx['F64'])} DOT64={dot64}"
                     + ("" if used else " (not used)"))
             try:
                 k = compile_one(fn, arch, cx, options)
