@@ -1,7 +1,7 @@
 #!/bin/bash
 # Issue 26: every GPU check in one command on the device machine; each section a process with its own time limit,
 # results under $OUT (at most 8 files). Usage: bash tools/gpu/run.sh SECTION... (env pytest cudagrads casts bench
-# bench8k benchffn bench4k overhead graphs compile blocks profile hostprof compilebench blockgemm); PYTEST_ARGS overrides the pytest
+# bench8k benchffn bench4k overhead graphs compile blocks profile hostprof compilebench); PYTEST_ARGS overrides the pytest
 # selection. Next GPU session, in order of what is open (docs/performance.md "GPU"):
 #   bash tools/gpu/run.sh env cudagrads pytest compile profile overhead casts bench8k
 set -u
@@ -54,7 +54,7 @@ for s in "$@"; do
       2>&1 | tee "$OUT/cuda_grads.txt" | tail -30 ;;
   hostprof)
     sec hostprof; timeout 60 $PY tools/gpu/host_profile.py --out "$OUT/host_profile.txt" | tail -5 ;;
-  blockgemm)
+  blockgemm)  # the block GEMM kernel's float64 variants, timed and checked bit for bit (bench_block_gemm.py)
     sec blockgemm; timeout ${T:-150} $PY tools/gpu/bench_block_gemm.py --shape 4096 4096 4096 \
       --out "$OUT/bench_block_gemm.json" ;;
   compilebench)
