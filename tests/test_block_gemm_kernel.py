@@ -1,8 +1,10 @@
 """The Triton kernel of the block-scaled GEMMs (fp8kit.pytorch.kernels.block_gemm_ops) gives the torch path's numbers
 bit for bit: MXFP8 (1-D and 2-D), Float8 block (power-of-two and float32 scales, K not a multiple of 128), NVFP4
 (1x16 and 16x16 weights, RHT), as a Linear's fprop, dgrad and wgrad call them, with edge tiles. On the CPU through
-Triton's interpreter (its `tl.fma` rounds once, as the GPU's `fma.rn.f32`); on a CUDA device with `-m cuda`. The
-compiled code (fp64 MMA, hardware FMA, the TF32 MMA's sum not folded into its accumulator) is checked offline."""
+Triton's interpreter (its `tl.fma` rounds once, as the GPU's `fma.rn.f32`); on a CUDA device with `-m cuda`. Both
+ways of the float64 block sum (the float64 MMA, DOT64, and the rank-1 updates) are checked on either. The compiled
+code (fp64 MMA on sm_90, rank-1 `fma.rn.f64` elsewhere, hardware FMA, the TF32 MMA's sum not folded into its
+accumulator) is checked offline for sm_89, sm_90 and sm_100."""
 
 import re
 
@@ -89,6 +91,50 @@ def test_nan_operands(dev, name):
         _both_paths(dev, block_gemm, *BLOCK_QUANTIZERS[name], (96, 160, 256), 2, nan=True)
 
 
+@pytest.mark.parametrize("name", ["mxfp8", "float8 f32", "nan"])
+def test_rank1_branch_equals_torch_path(dev, name, monkeypatch):
+    """The F64 branch without the float64 MMA (DOT64 off: the rank-1 updates sm_100 and sm_89 run) gives the same
+    bits: MXFP8, Float8 block with float32 scales and a short last block, NaN operands."""
+    monkeypatch.setattr(kernels.block_gemm_ops, "dot64_for", lambda device: False)
+    if name == "nan":
+        _both_paths(dev, block_gemm, *BLOCK_QUANTIZERS["mxfp8"], (96, 160, 256), 2, nan=True)
+    else:
+        _both_paths(dev, block_gemm, *BLOCK_QUANTIZERS[name], (96, 160, 320 if name == "float8 f32" else 256), 1)
+
+
+def test_dot64_choice():
+    """The float64 MMA on sm_90 only (Triton 3.6 cannot lower it for sm_100), and in the interpreter."""
+    ops = kernels.block_gemm_ops
+    assert ops.dot64_for_capability((9, 0)) and not ops.dot64_for_capability((10, 0))
+    assert not ops.dot64_for_capability((8, 9)) and not ops.dot64_for_capability((12, 0))
+    assert ops.dot64_for(torch.device("cpu")) and not ops.dot64_for(torch.device("meta"))
+
+
+def test_failure_message_ends_with_the_cause():
+    """A CompilationError's message is a source excerpt ending with `^`; the warning names the failing line and the
+    cause, down to a bare assert's source line (Triton 3.6's float64 `tl.dot` failed so on an H200)."""
+    class CompilationError(Exception):
+        pass
+
+    CompilationError.__module__ = "triton.compiler.errors"
+
+    def bare_assert(acc_dtype):  # pytest rewrites `assert` in tests (with a message): raised by hand instead
+        if acc_dtype != "fp32":
+            raise AssertionError()
+
+    try:
+        try:
+            bare_assert("fp64")
+        except AssertionError as cause:
+            raise CompilationError("at 24:20:\n    if F64:\n        p = tl.dot(a, b, p)\n            ^") from cause
+    except CompilationError as e:
+        text = kernels.block_gemm_ops.describe_error(e)
+    assert text.startswith("CompilationError at 24:20: p = tl.dot(a, b, p); caused by AssertionError at ")
+    assert text.endswith(": raise AssertionError()") and "test_block_gemm_kernel.py" in text
+    plain = ValueError("first line\nthe error itself")
+    assert kernels.block_gemm_ops.describe_error(plain) == "ValueError: the error itself"
+
+
 def test_triton_failure_falls_back_to_the_torch_path(monkeypatch):
     """A Triton error (compiling or launching) is warned once; the GEMMs then take the torch path (the same
     numbers). Any other error propagates."""
@@ -129,41 +175,48 @@ def test_kernel_argument_errors():
         kernels.block_gemm_ops.block_gemm_tiles(a, a, torch.ones(4, 1), torch.ones(3, 1), 32, 0)
 
 
-@pytest.mark.parametrize("arch", [89, 90])
+@pytest.mark.parametrize("arch", [pytest.param(89, marks=pytest.mark.slow), 90,
+                                  pytest.param(100, marks=pytest.mark.slow)])  # the rank-1 unrolling: ~30 s each
 def test_compiled_code(arch, monkeypatch, tmp_path):
-    """Offline compile (no GPU): float64 dot (the fp64 MMA on sm_90), `fma.rn.f32` for the scales, and for NVFP4 a
-    TF32 MMA whose block sum is added to y by a separate `add.f32` (never folded into the MMA's accumulator)."""
+    """Offline compile (no GPU) of what the host launches there: the float64 block sum on the fp64 MMA (sm_90) or as
+    rank-1 `fma.rn.f64` updates (sm_89, sm_100), `fma.rn.f32` for the scales, and for NVFP4 a TF32 MMA whose block
+    sum is added to y by a separate `add.f32` (never folded into the MMA's accumulator).
+    tools/gpu/aot_compile_block_gemm.py compiles every combination."""
     if tuple(int(p) for p in triton.__version__.split(".")[:2]) < (3, 3):
         pytest.skip("ASTSource signature API of Triton >= 3.3")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    ops = kernels.block_gemm_ops
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
     fn = kernels.kernel_module(False, "triton_block_gemm").block_gemm_kernel
+    dot64 = ops.dot64_for_capability(divmod(arch, 10))
     for f64, block, mode in ((True, 32, 0), (True, 128, 1), (True, 128, 2), (False, 16, 3)):
-        cx = dict(BLOCK=block, KC=min(block, 32), BM=64 if f64 else 128, BN=64 if f64 else 128, MODE=mode, F64=f64)
+        bm, bn, warps, stages = ops._TILES[f64]
+        cx = dict(BLOCK=block, KC=min(block, 32), BM=bm, BN=bn, MODE=mode, F64=f64, DOT64=dot64 and f64)
         sig = {a: "constexpr" if a in cx else "*fp32" if a.endswith("_ptr") else "i32" for a in fn.arg_names}
         try:
             k = triton.compile(ASTSource(fn, sig, cx), target=GPUTarget("cuda", arch, 32),
-                               options=dict(num_warps=4 if f64 else 8, num_stages=2 if f64 else 3))
+                               options=dict(num_warps=warps, num_stages=stages))
         except (FileNotFoundError, PermissionError) as e:
             pytest.skip(f"cannot compile for CUDA here: {e}")
         ptx = k.asm["ptx"]
         assert ".ftz" not in ptx
         assert k.metadata.shared <= 99 * 1024  # fits an sm_89 block
         if f64:
-            assert "cvt.rn.f32.f64" in ptx and "fma.rn.f32" in ptx
-            assert ("mma.sync.aligned.m8n8k4.row.col.f64" in ptx) == (arch == 90) or "fma.rn.f64" in ptx
+            assert "cvt.rn.f32.f64" in ptx and "fma.rn.f32" in ptx  # fma.rn.f32x2 on sm_100: one rounding a lane
+            f64_mma = re.search(r"mma\.sync\.aligned\.m\d+n\d+k\d+\.row\.col\.f64", ptx)
+            assert bool(f64_mma) == dot64 and (dot64 or "fma.rn.f64" in ptx)
             assert not re.search(r"\badd(\.rn)?\.f32", ptx)  # every y update is the fused multiply-add
         else:
-            mma = "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32" if arch == 90 \
-                else "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32"
+            mma = {89: "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32",
+                   90: "wgmma.mma_async.sync.aligned.m64n128k8.f32.tf32.tf32", 100: "kind::tf32"}[arch]
             assert mma in ptx and re.search(r"\badd(\.rn)?\.f32", ptx)
 
 
 def test_the_block_kernel_needs_an_explicit_switch(monkeypatch):
-    """Not run on a GPU yet: the CUDA default of the cast kernels does not turn it on; FP8KIT_TRITON=1 does."""
+    """Opt-in: the CUDA default of the cast kernels does not turn it on; FP8KIT_TRITON=1 does."""
     from fp8kit.pytorch import block_gemm
 
     x = torch.empty(4, 4, device="meta")

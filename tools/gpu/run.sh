@@ -57,6 +57,9 @@ for s in "$@"; do
       2> "$OUT/aot_graphs.txt" ;;
   hostprof)
     sec hostprof; timeout 60 $PY tools/gpu/host_profile.py --out "$OUT/host_profile.txt" | tail -5 ;;
+  blockgemm)  # the block GEMM kernel's float64 variants, timed and checked bit for bit (bench_block_gemm.py)
+    sec blockgemm; timeout ${T:-150} $PY tools/gpu/bench_block_gemm.py --shape 4096 4096 4096 \
+      --out "$OUT/bench_block_gemm.json" ;;
   compilebench)
     sec compilebench; timeout 150 $PY -m fp8kit bench --compile --device cuda --quick --json "$OUT/compile_bench.json" ;;
   esac

@@ -7,6 +7,9 @@ stays in registers across the K blocks, so the per-block rounding costs no pass 
 
 from __future__ import annotations
 
+import functools
+import os
+import traceback
 import warnings
 from typing import Optional
 
@@ -14,7 +17,7 @@ import torch
 
 from .launch import cdiv, launch
 
-__all__ = ["A_FIRST", "B_FIRST", "BOTH_2D", "PRESCALED", "block_gemm_tiles", "kernel_failure"]
+__all__ = ["A_FIRST", "B_FIRST", "BOTH_2D", "PRESCALED", "block_gemm_tiles", "describe_error", "kernel_failure"]
 
 A_FIRST, B_FIRST, BOTH_2D, PRESCALED = 0, 1, 2, 3  # how the scales meet a block's partial sum (the kernel's MODE)
 _failure: list = []  # the first error Triton raised compiling or launching the kernel (then the torch path runs)
@@ -26,7 +29,49 @@ def kernel_failure() -> Optional[str]:
     return _failure[0] if _failure else None
 
 
-_TILES = {True: (64, 64, 4, 2), False: (128, 128, 8, 3)}  # float64 dot or not: (BM, BN, warps, stages)
+def describe_error(e: BaseException) -> str:
+    """One line that ends with the error itself: `Type: ` and the last line of the message (a CompilationError's
+    message is the source excerpt, ending with `^` under the failing call: then its first line, `at L:C:`, and the
+    line it points at), then each cause the same way; a cause without a message names where it was raised and the
+    source line there (a bare `assert` in Triton's front end)."""
+    lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+    if len(lines) >= 3 and lines[-1] == "^":  # the excerpt: "at 24:20:", ..., the failing line, "^"
+        text = f"{type(e).__name__} {lines[0]} {lines[-2]}"
+    elif lines:
+        text = f"{type(e).__name__}: {lines[-1]}"
+    else:
+        frames = traceback.extract_tb(e.__traceback__) if e.__traceback__ is not None else []
+        where = frames[-1].filename.replace(os.sep, "/").rpartition("/site-packages/")[2] if frames else ""
+        text = type(e).__name__ + (f" at {where}:{frames[-1].lineno}: {frames[-1].line}" if frames else "")
+    cause = e.__cause__ if e.__cause__ is not None else (None if e.__suppress_context__ else e.__context__)
+    if cause is None or (str(cause).strip() and str(cause).strip().splitlines()[-1].strip() in text):
+        return text  # no cause, or its message already ends this one
+    return f"{text}; caused by {describe_error(cause)}"
+
+
+_TILES = {True: (64, 64, 4, 2), False: (128, 128, 8, 3)}  # F64 or not: (BM, BN, warps, stages) on a GPU
+_INTERPRETER_TILES = (128, 128, 1, 1)  # CPU (the interpreter): fewer, larger programs (its cost is per operation)
+
+
+def dot64_for(device: torch.device) -> bool:
+    """The kernel's DOT64: a block's float64 sum on the float64 MMA (`tl.dot`) where measured fastest and compiled by
+    Triton 3.6 and 3.9 (sm_90: 3.0-3.5 ms for MXFP8 and Float8 block at 4096^3 on an H200, against 76-890 ms for the
+    rank-1 updates) and in the interpreter; the float64 rank-1 updates elsewhere (sm_100: Triton 3.6 cannot lower a
+    float64 dot there; sm_89). Both give the same bits (the sums are exact)."""
+    if device.type == "cpu":
+        return True  # the interpreter: NumPy's dot is fast where its rank-1 loop is not (tests force both)
+    return device.type == "cuda" and dot64_for_capability(
+        _capability(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+def dot64_for_capability(capability: tuple) -> bool:
+    """DOT64 on a CUDA device of this compute capability (major, minor): sm_90 only."""
+    return capability[0] == 9
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple:
+    return torch.cuda.get_device_capability(index)
 
 
 def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode: int) -> Optional[torch.Tensor]:
@@ -58,24 +103,25 @@ def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode:
         return y.zero_()
     if _failure:
         return None
-    bm, bn, warps, stages = _TILES[f64]
+    bm, bn, warps, stages = _INTERPRETER_TILES if a.device.type == "cpu" else _TILES[f64]
     try:
-        _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64, bm, bn, warps, stages)
+        _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64 and dot64_for(a.device), bm, bn, warps, stages)
     except Exception as e:  # noqa: BLE001 - only Triton's own errors (compiler, resources) are caught
         if type(e).__module__.split(".")[0] != "triton":
             raise
-        _failure.append(f"{type(e).__name__}: {e}")
+        _failure.append(describe_error(e))
         warnings.warn(f"fp8kit: the Triton block GEMM kernel failed ({_failure[0]}); block-scaled GEMMs take the "
                       "torch path from now on (the same numbers, slower)", RuntimeWarning, stacklevel=3)
         return None
     return y
 
 
-def _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, f64, bm, bn, warps, stages) -> None:
+def _launch(a, b, sa, sb, y, m, n, k, nb, block, mode, dot64, bm, bn, warps, stages) -> None:
+    f64 = mode != PRESCALED
     launch("block_gemm_kernel", (cdiv(m, bm), cdiv(n, bn)), a.device,
            (a, b, sa, sb, y, m, n, k, nb, a.stride(0), a.stride(1), b.stride(0), b.stride(1),
             sa.stride(0) if f64 else 0, sa.stride(1) if f64 else 0, sb.stride(0) if f64 else 0,
             sb.stride(1) if f64 else 0),
-           dict(BLOCK=block, KC=min(block, 32), BM=bm, BN=bn, MODE=mode, F64=f64, num_warps=warps,
+           dict(BLOCK=block, KC=min(block, 32), BM=bm, BN=bn, MODE=mode, F64=f64, DOT64=dot64, num_warps=warps,
                 num_stages=stages), reads=(a, b), writes=(y,),
            file="triton_block_gemm")
