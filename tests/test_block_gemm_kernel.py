@@ -230,3 +230,20 @@ def test_the_block_kernel_needs_an_explicit_switch(monkeypatch):
     assert block_gemm.use_kernel(x)
     monkeypatch.delenv("FP8KIT_TRITON")
     kernels.refresh()
+
+
+def test_kernel_default_follows_the_measured_gpus(monkeypatch):
+    """The block GEMM kernel runs by default on CUDA devices where it was measured (sm_90: the float64 MMA), elsewhere
+    only when the kernels were turned on explicitly; never where the kernels do not run."""
+    from fp8kit.pytorch import block_gemm as bg
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(bg.kernels, "on_for", lambda device: True)
+    for capability, explicit, want in (((9, 0), False, True), ((10, 0), False, False), ((8, 9), False, False),
+                                       ((10, 0), True, True)):
+        monkeypatch.setattr(bg, "dot64_for", lambda device, c=capability: c[0] == 9)
+        monkeypatch.setattr(bg.kernels, "opted_in", lambda e=explicit: e)
+        fake = type("T", (), {"device": cuda})()
+        assert bg.use_kernel(fake) is want, (capability, explicit)
+    monkeypatch.setattr(bg.kernels, "on_for", lambda device: False)
+    assert bg.use_kernel(type("T", (), {"device": cuda})()) is False

@@ -30,7 +30,7 @@ import torch
 
 from . import block_cast as bc
 from . import kernels
-from .kernels.block_gemm_ops import A_FIRST, B_FIRST, BOTH_2D, block_gemm_tiles
+from .kernels.block_gemm_ops import A_FIRST, B_FIRST, BOTH_2D, block_gemm_tiles, dot64_for
 from .tensor.float8_blockwise_tensor import Float8BlockwiseQTensorStorage
 from .tensor.mxfp8_tensor import MXFP8TensorStorage
 
@@ -208,11 +208,13 @@ def block_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
 
 
 def use_kernel(x: torch.Tensor) -> bool:
-    """Whether the block GEMMs of operands on x's device run as the Triton kernel: only when the kernels were turned
-    on explicitly (`kernels.opted_in`: FP8KIT_TRITON=1 or set_enabled(True)) and where they run (`kernels.on_for`;
-    not while torch.compile traces). This kernel has not run on a GPU yet, so the CUDA default of the cast kernels
-    does not turn it on (docs/kernels.md)."""
-    return kernels.opted_in() and kernels.on_for(x.device)
+    """Whether the block GEMMs of operands on x's device run as the Triton kernel: where the kernels run
+    (`kernels.on_for`: CUDA by default, not while torch.compile traces), by default on the GPUs where the kernel was
+    measured bit-equal and fast (sm_90, its float64 MMA: `dot64_for`), elsewhere when the kernels were turned on
+    explicitly (`kernels.opted_in`: FP8KIT_TRITON=1 or set_enabled(True); docs/kernels.md)."""
+    if not kernels.on_for(x.device):
+        return False
+    return kernels.opted_in() or (x.device.type == "cuda" and dot64_for(x.device))
 
 
 def _kernel_mode(A: BlockOperand, B: BlockOperand) -> int:
