@@ -1,5 +1,5 @@
-"""What tools/gpu/check_blocks_fsdp.py and tools/gpu/fsdp_checks.py share: the repository on sys.path, tracebacks
-for the JSON, device synchronisation, and bitwise comparison of tensors and of quantized tensors' fields."""
+"""What the GPU check scripts share: the repository on sys.path, tracebacks for the JSON, device synchronisation,
+bitwise comparison of tensors and of quantized tensors' fields, and a timed Linear step."""
 
 from __future__ import annotations
 
@@ -75,3 +75,27 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(_bits(a), _bits(b)))
+
+
+def timed_steps(layer, x, dy, recipe, warmup: int, iters: int, sync):
+    """A Linear training step (autocast with `recipe`, or none for None; forward, backward) as a function, run
+    `warmup` times, then `iters` times timed: (step, host seconds per step with the launches asynchronous, wall
+    seconds per step)."""
+    import time
+
+    import fp8kit.pytorch as te
+
+    def step():
+        with te.autocast(enabled=recipe is not None, recipe=recipe):
+            y = layer(x)
+        y.backward(dy)
+
+    for _ in range(warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step()
+    host = (time.perf_counter() - t0) / iters
+    sync()
+    return step, host, (time.perf_counter() - t0) / iters

@@ -14,8 +14,10 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+from gpu_check_common import timed_steps  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import fp8kit.pytorch as te  # noqa: E402
@@ -71,20 +73,8 @@ def main():
     print(lines[-1], flush=True)
     for name, recipe in (("torch.nn.Linear", None), ("current", CURRENT), ("delayed", DELAYED)):
         layer = (torch.nn.Linear(64, 64, device=dev) if recipe is None else te.Linear(64, 64, device=dev))
-
-        def step():
-            with te.autocast(enabled=recipe is not None, recipe=recipe):
-                y = layer(x)
-            y.backward(dy)
-
-        for _ in range(20):
-            step()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(a.steps):
-            step()
-        sync()
-        header = f"== {name}: {(time.perf_counter() - t0) / a.steps * 1e6:.1f} us/step wall (fwd+bwd+exit) =="
+        step, _, wall = timed_steps(layer, x, dy, recipe, 20, a.steps, sync)
+        header = f"== {name}: {wall * 1e6:.1f} us/step wall (fwd+bwd+exit) =="
         lines.append("\n" + header)
         prof = cProfile.Profile()
         prof.enable()

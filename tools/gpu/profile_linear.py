@@ -9,11 +9,12 @@ step the host costs.
 import argparse
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+from gpu_check_common import timed_steps  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
 import fp8kit.pytorch as te  # noqa: E402
@@ -37,21 +38,8 @@ def main():
         dy = torch.randn(m, n, generator=g).to(dev, torch.bfloat16)
         for name, recipe in (("bf16", None), ("current", CURRENT), ("delayed", DELAYED)):
             layer = te.Linear(k, n, params_dtype=torch.bfloat16, device=dev)
-
-            def step():
-                with te.autocast(enabled=recipe is not None, recipe=recipe):
-                    y = layer(x)
-                y.backward(dy)
-
-            for _ in range(3):
-                step()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(10):
-                step()
-            host = (time.perf_counter() - t0) / 10  # launches asynchronous: the host's time when the GPU keeps up
-            sync()
-            wall = (time.perf_counter() - t0) / 10
+            # host: the launches asynchronous, the host's time when the GPU keeps up
+            step, host, wall = timed_steps(layer, x, dy, recipe, 3, 10, sync)
             activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=activities) as prof:
                 for _ in range(3):
