@@ -1,9 +1,11 @@
 #!/bin/bash
-# Issue 26: every GPU check in one command on the device machine; each section a process with its own time limit,
-# results under $OUT (at most 8 files). Usage: bash tools/gpu/run.sh SECTION... (env pytest cudagrads casts bench
-# bench8k benchffn bench4k overhead graphs compile blocks profile hostprof diagcompile compilebench); PYTEST_ARGS overrides the pytest
-# selection. Next GPU session, in order of what is open (docs/performance.md "GPU"):
-#   bash tools/gpu/run.sh env cudagrads pytest compile profile overhead casts bench8k
+# GPU checks (issues 26 and 21) in one command on the device machine; each section a process with its own time
+# limit, results under $OUT (at most 8 files). Usage: bash tools/gpu/run.sh SECTION... (env pytest cudagrads casts
+# bench bench8k benchffn bench4k overhead graphs compile blocks profile hostprof diagcompile blockgemm compilebench);
+# PYTEST_ARGS overrides the pytest selection, T some sections' time limit. Starting a machine can take minutes of the
+# session's device time: prefer one call with every section over several. Next GPU session (docs/performance.md, "GPU",
+# what is left):
+#   bash tools/gpu/run.sh env pytest overhead hostprof blockgemm bench4k compile
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
