@@ -310,27 +310,16 @@ def test_kernels_on_compile_through_the_torch_path(monkeypatch):
 
 
 @pytest.mark.parametrize("recipe_name", ["delayed", "current"])
-def test_inductor_on_the_accelerator_gemm_path_matches_eager(recipe_name, monkeypatch):
+def test_inductor_on_the_accelerator_gemm_path_matches_eager(recipe_name):
     """The GEMM path a GPU runs (`gemm.scaled_mm`, torch's CPU `_scaled_mm` here; casts writing the transposes),
     compiled by inductor: bit-identical to eager. Under delayed scaling inductor's partitioner recomputed the weight's
     cast in the backward from the scale the forward's autocast exit had updated, so the first step's data gradient
     was off by the scale's change (found on a GPU; `quantizer.scale_snapshot` keeps the scale the bytes used)."""
-    from fp8kit.pytorch import gemm, host
-    from fp8kit.pytorch.tensor.storage import Float8TensorStorage
+    from accelerator_sim import accelerator_gemm_path
 
-    def accelerator_rule(a, b, out_dtype, bias=None, use_fast_accum=False):
-        if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
-            return gemm.widened_gemm(a, b, out_dtype, bias)
-        return gemm.scaled_mm(a, b, out_dtype, bias, use_fast_accum)
+    from fp8kit.pytorch import host
 
-    def with_transpose(self):
-        if self._transpose is None or self._transpose_invalid:
-            self._create_transpose()
-        return self
-
-    monkeypatch.setattr(Float8TensorStorage, "with_transpose", with_transpose)
-    gemm.register_gemm_rule(Float8TensorStorage, accelerator_rule)
-    try:
+    with accelerator_gemm_path():
         recipe = _recipe(recipe_name)
         torch.manual_seed(0)
         eager = torch.nn.Sequential(te.Linear(96, 64, params_dtype=torch.bfloat16), torch.nn.ReLU(),
@@ -357,8 +346,6 @@ def test_inductor_on_the_accelerator_gemm_path_matches_eager(recipe_name, monkey
                 te.apply_pending_updates()
                 for i, (a, b) in enumerate(zip(*grads)):
                     assert torch.equal(a, b), f"step {step}, gradient {i}"
-    finally:
-        gemm.register_gemm_rule(Float8TensorStorage, gemm.per_tensor_gemm)
 
 
 def test_state_setup_inside_compile_refused_where_torch_loses_it(monkeypatch):

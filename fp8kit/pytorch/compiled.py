@@ -40,15 +40,10 @@ def compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def _torch_minor() -> Tuple[int, int]:
-    major, minor = torch.__version__.split("+")[0].split(".")[:2]
-    return int(major), int(minor)
-
-
 # torch.compile before torch 2.12 (2.11 seen) loses the tensors a traced call gives a module's delayed-scaling state
 # the first time (the state placed into its key's flat buffer while tracing): the compiled graph records no amax and
 # updates no scale, silently (docs/pytorch.md, "torch.compile and CUDA graphs")
-SETUP_TRACEABLE = _torch_minor() >= (2, 12)
+SETUP_TRACEABLE = torch.__version__ >= (2, 12)  # torch.torch_version.TorchVersion compares as a version
 
 
 def check_state_setup(module_name: str) -> None:

@@ -115,7 +115,14 @@ def widened_gemm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torc
     out.mul_(a.scale_inv.reshape(()) * b.scale_inv.reshape(()))
     if bias is not None:
         out.add_(bias)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return _as_dtype(out, out_dtype)
+
+
+def _as_dtype(out: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`out` in `dtype`: the result itself when it is already, not an identity `.to()` of it (torch 2.11's dynamo sent
+    an autograd Function's output gradient to such an intermediate, and the backward got zeros: docs/pytorch.md,
+    "torch.compile and CUDA graphs")."""
+    return out if out.dtype == dtype else out.to(dtype)
 
 
 def _is_row_major(t: torch.Tensor) -> bool:
@@ -194,9 +201,7 @@ def scaled_mm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.d
         out = out + bias.to(out.dtype)  # float32 + bias, rounded once below
     elif pad_n:
         out = out.contiguous()
-    # the result itself, not an identity `.to()` of it: torch 2.11's dynamo sent an autograd Function's output gradient
-    # to such an intermediate and the backward got zeros (docs/pytorch.md, "torch.compile and CUDA graphs")
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return _as_dtype(out, out_dtype)
 
 
 def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dtype,
@@ -217,7 +222,7 @@ def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dt
     base = bias.float() if bias is not None else _ZERO_F32
     out = torch.addmm(base, a.values(torch.float32), b.values(torch.float32), beta=1 if bias is not None else 0,
                       alpha=alpha)
-    return out if out.dtype == out_dtype else out.to(out_dtype)
+    return _as_dtype(out, out_dtype)
 
 
 def _cpu_value(t: torch.Tensor) -> float:

@@ -18,27 +18,14 @@ import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 
 import torch  # noqa: E402
+from accelerator_sim import accelerator_gemm_path  # noqa: E402
 
 import fp8kit.pytorch as te  # noqa: E402
-from fp8kit.pytorch import gemm as G  # noqa: E402
 from fp8kit.pytorch import host  # noqa: E402
-from fp8kit.pytorch.tensor import storage as S  # noqa: E402
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling  # noqa: E402
-
-
-def per_tensor_gemm(a, b, out_dtype, bias=None, use_fast_accum=False):
-    if a.fp8_dtype == b.fp8_dtype == torch.float8_e5m2:
-        return G.widened_gemm(a, b, out_dtype, bias)
-    return G.scaled_mm(a, b, out_dtype, bias, use_fast_accum)
-G._RULES.register(S.Float8TensorStorage, per_tensor_gemm)
-
-def with_transpose(self):
-    if self._transpose is None or self._transpose_invalid:
-        self._create_transpose()
-    return self
-S.Float8TensorStorage.with_transpose = with_transpose
 
 torch.manual_seed(4)
 recipe = {"current": Float8CurrentScaling(), "delayed": DelayedScaling(amax_history_len=4)}[sys.argv[1]]
@@ -53,7 +40,7 @@ def fwd(m, x):
     with te.autocast(recipe=recipe):
         return m(x)
 fwd_c = torch.compile(fwd, fullgraph=True, backend=backend)
-with host.tensor_path():
+with host.tensor_path(), accelerator_gemm_path():
     warm = torch.randn(48, 96, dtype=torch.bfloat16)
     for m in (eager, comp):  # one eager step for both: torch < 2.12 cannot trace the delayed state's setup
         fwd(m, warm.clone().requires_grad_()).backward(torch.ones(48, 80, dtype=torch.bfloat16))

@@ -30,7 +30,7 @@ from .cast_ops import (
     current_cast,
     current_cast_transpose_dbias,
 )
-from .launch import Launch, observe_launches
+from .launch import Launch, cuda_capability, observe_launches
 from .loader import TRUE_VALUES, interpreter_on, kernel_module
 from .update_ops import update, update_tensors
 
@@ -41,7 +41,6 @@ __all__ = ["enabled", "set_enabled", "enabled_as", "refresh", "available", "use_
 
 _enabled: Optional[bool] = None  # None: follow FP8KIT_TRITON
 _triton_ok: Optional[bool] = None
-_capability: dict = {}  # CUDA device index -> compute capability
 
 
 FALSE_VALUES = ("0", "false", "no", "off")
@@ -138,10 +137,7 @@ def available(device) -> bool:
     if device.type == "cuda":
         if not torch.cuda.is_available():
             return False
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if index not in _capability:
-            _capability[index] = torch.cuda.get_device_capability(index)
-        return _capability[index] >= (8, 9) and _triton_importable()
+        return cuda_capability(device) >= (8, 9) and _triton_importable()
     if device.type == "cpu":
         return interpreter_on() and _triton_importable()
     return False

@@ -7,7 +7,6 @@ stays in registers across the K blocks, so the per-block rounding costs no pass 
 
 from __future__ import annotations
 
-import functools
 import os
 import traceback
 import warnings
@@ -15,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from .launch import cdiv, launch
+from .launch import cdiv, cuda_capability, launch
 
 __all__ = ["A_FIRST", "B_FIRST", "BOTH_2D", "PRESCALED", "block_gemm_tiles", "describe_error", "kernel_failure"]
 
@@ -60,18 +59,13 @@ def dot64_for(device: torch.device) -> bool:
     float64 dot there; sm_89). Both give the same bits (the sums are exact)."""
     if device.type == "cpu":
         return True  # the interpreter: NumPy's dot is fast where its rank-1 loop is not (tests force both)
-    return device.type == "cuda" and dot64_for_capability(
-        _capability(device.index if device.index is not None else torch.cuda.current_device()))
+    return device.type == "cuda" and dot64_for_capability(cuda_capability(device))
 
 
 def dot64_for_capability(capability: tuple) -> bool:
     """DOT64 on a CUDA device of this compute capability (major, minor): sm_90 only."""
     return capability[0] == 9
 
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple:
-    return torch.cuda.get_device_capability(index)
 
 
 def block_gemm_tiles(a: torch.Tensor, b: torch.Tensor, sa, sb, block: int, mode: int) -> Optional[torch.Tensor]:

@@ -58,6 +58,19 @@ def module_for(device: torch.device, file: str = "triton_fp8"):
     raise RuntimeError(f"fp8kit Triton kernels: unsupported device {device}")
 
 
+_CAPABILITY: dict = {}  # CUDA device index -> compute capability (asked once)
+
+
+def cuda_capability(device: torch.device) -> tuple:
+    """The compute capability (major, minor) of CUDA `device` (the current device when it has no index), asked of
+    torch once per device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    found = _CAPABILITY.get(index)
+    if found is None:
+        found = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return found
+
+
 _KERNELS: dict = {}  # (file, kernel name) -> the compiled Triton function for CUDA (looked up once)
 
 
