@@ -140,26 +140,22 @@ def test_general_path_and_compute_update_match_the_reference(recipe):
         np.testing.assert_array_equal(scale.numpy().view(np.uint32), s.view(np.uint32))
 
 
-@pytest.mark.parametrize("recipe", RECIPES[:3], ids=_name)
-def test_states_on_several_devices_update_each_as_alone(recipe):
+@pytest.mark.parametrize("recipe", RECIPES, ids=_name)
+def test_states_on_several_devices_match_the_reference(recipe):
     """One registry key can hold modules on several devices (a CPU copy of a GPU model under the same recipe); the
-    update takes each device's states on their own (it concatenated them, which failed on the first GPU run), and a
-    CPU state's result equals its update alone."""
-    rng = np.random.default_rng(7)
-    fmt_max = 448.0
-
-    def make(device):
-        state = ScalingState(3, recipe.amax_history_len, device=device)
-        state.amax_history.copy_(torch.from_numpy(np.stack([_column(rng, recipe.amax_history_len)
-                                                            for _ in range(3)], axis=1)))
-        return state
-
-    mixed = [make("cpu"), make("meta"), make("cpu")]
-    alone = [ScalingState(3, recipe.amax_history_len) for _ in range(2)]
-    for a, m in zip(alone, (mixed[0], mixed[2])):
-        a.amax_history.copy_(m.amax_history)
-    update_each(mixed, recipe, fmt_max)
-    update_each(alone, recipe, fmt_max)
-    for a, m in zip(alone, (mixed[0], mixed[2])):
-        assert torch.equal(a.amax_history.view(torch.int32), m.amax_history.view(torch.int32))
-        assert torch.equal(a.scale.view(torch.int32), m.scale.view(torch.int32)) and int(a.count) == int(m.count)
+    update takes each device's states on their own (it concatenated them, which failed on the first GPU run), and the
+    CPU states, interleaved with `meta` ones, come out as tests/reference.py's `DelayedState` says."""
+    rng = np.random.default_rng(recipe.amax_history_len * 3 + recipe.interval + 11)
+    fp8_max = 448.0
+    length = recipe.amax_history_len
+    slots, histories, scales, counters = _states(rng, length, 6)
+    want = _reference(recipe, fp8_max, histories, scales, counters)
+    cpu = _make(slots, histories, scales, counters, length)
+    meta = [ScalingState(int(n), length, device="meta") for n in slots]
+    mixed = [s for pair in zip(cpu, meta) for s in pair]
+    with host.tensor_path():
+        update_each(mixed, recipe, fp8_max)
+    _check(cpu, want)
+    update_each(mixed, recipe, fp8_max)  # the host path for the CPU ones
+    want = _reference(recipe, fp8_max, [h for h, _, _ in want], [s for _, s, _ in want], [c for _, _, c in want])
+    _check(cpu, want)
