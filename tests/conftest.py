@@ -78,10 +78,23 @@ def four_rank_run(request):
 
 @pytest.fixture
 def one_thread():
-    """One intra-op thread, the condition under which large 16-bit tensors take the table cast (CPU)."""
+    """One intra-op thread and fp8kit's CPU kernels off: the conditions under which large 16-bit tensors take the
+    table cast (CPU)."""
     import torch  # here: the JAX settings above come first
+
+    from fp8kit.pytorch import cpu_kernels
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with cpu_kernels.switched(False):
+        yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_cpu_kernels():
+    """fp8kit's CPU kernels off (fp8kit.pytorch.cpu_kernels): the torch operations' path."""
+    from fp8kit.pytorch import cpu_kernels
+
+    with cpu_kernels.switched(False):
+        yield

@@ -316,7 +316,7 @@ def test_table_cast_of_a_noncontiguous_input(one_thread):
     assert q._data.shape == x.shape
 
 
-def test_table_cast_only_with_one_thread(monkeypatch):
+def test_table_cast_only_with_one_thread(monkeypatch, no_cpu_kernels):
     """With two or more intra-op threads the table cast is not used (torch's conversions run in parallel then),
     and the bytes are the same either way."""
     x = torch.randn(512, 512, dtype=torch.bfloat16)

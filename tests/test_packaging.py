@@ -29,6 +29,8 @@ with te.autocast(recipe=DelayedScaling()):
     y = layer(x)
 error = ((y - (x @ layer.weight.T + layer.bias)).norm() / y.norm()).item()
 assert 0 < error < 0.1, error
+from fp8kit.pytorch import cpu_kernels
+assert cpu_kernels.SOURCE.is_file() and str(cpu_kernels.SOURCE).startswith(target)  # shipped with the package
 print("smoke ok", fp8kit.__version__)
 """
 
@@ -64,7 +66,7 @@ def test_wheel_holds_every_module(dist):
     wheel, _ = dist
     assert wheel.name == f"fp8kit-{fp8kit.__version__}-py3-none-any.whl"
     names = set(zipfile.ZipFile(wheel).namelist())
-    sources = {str(p.relative_to(ROOT)) for p in (ROOT / "fp8kit").rglob("*.py")}
+    sources = {str(p.relative_to(ROOT)) for ext in ("py", "c") for p in (ROOT / "fp8kit").rglob(f"*.{ext}")}
     assert sources <= names, sorted(sources - names)
     assert not any(n.startswith(("tests/", "examples/", "docs/")) for n in names)
     metadata = zipfile.ZipFile(wheel).read(f"fp8kit-{fp8kit.__version__}.dist-info/METADATA").decode()

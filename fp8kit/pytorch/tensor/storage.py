@@ -14,6 +14,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from .. import cpu_kernels, host
 from ..constants import DType, fp8_torch_dtype, te_dtype
 from ..quantized_tensor import QuantizedTensorStorage
 
@@ -329,6 +330,11 @@ def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False,
         return (data if fp8_dtype is None else data.view(fp8_dtype)).to(dtype)
     raw = data if fp8_dtype is not None else data.view(torch.uint8)
     fp8_dtype = fp8_dtype or data.dtype
+    if dtype in (torch.bfloat16, torch.float32) and raw.is_contiguous() and host.active(raw.device) \
+            and cpu_kernels.available():
+        wide = cpu_kernels.widen(raw, fp8_dtype, dtype)  # one vectorised pass; None for NaN/inf codes
+        if wide is not None:
+            return wide
     if raw.numel() >= WIDEN_BY_BITS_MIN_NUMEL and dtype in (torch.bfloat16, torch.float32):
         shift, mask, multiplier, special = _BY_BITS[fp8_dtype]
         # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)

@@ -1,0 +1,170 @@
+"""fp8kit's CPU kernels: the FP8 cast (bytes and the bf16 GEMM operand in one pass), the NaN-aware amax and the
+widening of FP8 bytes, as vectorised C loops (fp8_cpu.c).
+
+They are compiled once per machine, on first use, by the system C compiler (`$CC`, else `cc`) into
+`$FP8KIT_CACHE_DIR` (default `~/.cache/fp8kit`, under `$XDG_CACHE_HOME` when set), named by a hash of the source,
+the compiler, its flags and the CPU's feature flags, and called through ctypes (which releases the GIL). Nothing is
+built at install time. Without a compiler, or with `FP8KIT_CPU_KERNELS=0`, `available()` is False and fp8kit uses
+torch operations, which give the same bytes and values (docs/numerics.md, "The cast on a CPU"); `reason()` says why.
+Only the CPU host path uses them (fp8kit.pytorch.host): the tensor path keeps the operation sequence a GPU runs.
+
+The callers check shapes, dtypes and contiguity; these functions take contiguous CPU tensors as they are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import struct
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+__all__ = ["available", "reason", "switched", "cast", "absmax", "widen"]
+
+ENV = "FP8KIT_CPU_KERNELS"
+SOURCE = Path(__file__).with_name("fp8_cpu.c")
+# -ffp-contract=off: the cast's multiply must round before the additions that follow it (no FMA); never
+# -ffast-math, which would fold `(a + M) - M`.
+FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-std=c11")
+
+_state: dict = {"lib": None, "tried": False, "reason": "", "on": True}
+_FORMAT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+_INPUT = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
+_P, _N, _F = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_float
+
+
+def available() -> bool:
+    """Whether the kernels are built, loaded and switched on (builds them on the first call)."""
+    return _state["on"] and _library() is not None
+
+
+@contextlib.contextmanager
+def switched(on: bool) -> Iterator[None]:
+    """The kernels on or off in this scope (tests and benchmarks compare both paths; off: torch operations)."""
+    old, _state["on"] = _state["on"], on
+    try:
+        yield
+    finally:
+        _state["on"] = old
+
+
+def reason() -> str:
+    """Why the kernels are unavailable ('' when they are, or before the first `available()`)."""
+    return _state["reason"]
+
+
+def _library():
+    if not _state["tried"]:
+        _state["tried"] = True
+        if os.environ.get(ENV, "1").strip().lower() in ("0", "false", "off", "no"):
+            _state["reason"] = f"{ENV}=0"
+        else:
+            try:
+                _state["lib"] = _declare(ctypes.CDLL(str(_build())))
+            except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+                _state["reason"] = f"the CPU kernels could not be built or loaded: {error}"
+    return _state["lib"]
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("FP8KIT_CACHE_DIR")
+    if base:
+        return Path(base)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fp8kit"
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not compiler:
+        raise RuntimeError("no C compiler found (set CC, or install cc)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
+                                     platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"fp8_cpu-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    errors = []
+    for extra in (("-march=native",), ()):  # tuned for this CPU where the compiler knows it
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        run = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                             timeout=120)
+        if run.returncode == 0:
+            os.replace(tmp, target)  # atomic: processes building at once each install a whole library
+            return target
+        os.unlink(tmp)
+        errors.append(run.stderr.strip().splitlines()[-1:] or [f"exit {run.returncode}"])
+    raise RuntimeError(f"{compiler} failed: {errors}")
+
+
+def _declare(lib):
+    for fmt in _FORMAT.values():
+        for src in _INPUT.values():
+            fn = getattr(lib, f"fp8kit_cast_{src}_{fmt}")
+            fn.argtypes, fn.restype = [_P, _N, _F, _P, _P], ctypes.c_int
+        fn = getattr(lib, f"fp8kit_widen_{fmt}")
+        fn.argtypes, fn.restype = [_P, _N, _P, _P], ctypes.c_int32
+    for src in _INPUT.values():
+        fn = getattr(lib, f"fp8kit_absmax_{src}")
+        fn.argtypes, fn.restype = [_P, _N, ctypes.POINTER(ctypes.c_int)], ctypes.c_uint64
+    return lib
+
+
+def cast(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, data: Optional[torch.Tensor],
+         values: Optional[torch.Tensor]) -> bool:
+    """Writes the FP8 bytes of `saturate(float32(x) * scale)` (a NaN: 0x7F) into `data` (uint8) and/or their values
+    as bf16 into `values`, for a contiguous bf16, fp16 or float32 CPU x; `scale` a float32 value as a float. False
+    (nothing written) where subnormals are flushed (`torch.set_flush_denormal(True)`): use torch then."""
+    fn = getattr(_state["lib"], f"fp8kit_cast_{_INPUT[x.dtype]}_{_FORMAT[fp8_dtype]}")
+    return fn(x.data_ptr(), x.numel(), scale, None if data is None else data.data_ptr(),
+              None if values is None else values.data_ptr()) == 0
+
+
+def absmax(x: torch.Tensor) -> Tuple[float, bool]:
+    """(max |x| over the non-NaN elements as a float, whether x holds no NaN) for a contiguous bf16, fp16 or float32
+    CPU tensor."""
+    nan = ctypes.c_int(0)
+    src = _INPUT[x.dtype]
+    bits = getattr(_state["lib"], f"fp8kit_absmax_{src}")(x.data_ptr(), x.numel(), ctypes.byref(nan))
+    if src == "bf16":
+        value = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+    elif src == "f16":
+        value = struct.unpack("<e", struct.pack("<H", bits))[0]
+    else:
+        value = struct.unpack("<f", struct.pack("<I", bits))[0]
+    return value, not nan.value
+
+
+_SPECIAL = {"e4m3": 0x7F, "e5m2": 0x7C}  # the smallest magnitude code that is NaN or inf
+
+
+def widen(raw: torch.Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """The values of contiguous uint8 FP8 bytes as bf16 or float32 (a new contiguous tensor of raw's shape), or
+    None where they hold a NaN or inf code (use torch then). Exact with subnormals flushed too (no subnormal
+    operand)."""
+    fmt = _FORMAT[fp8_dtype]
+    out = torch.empty(raw.shape, dtype=dtype)
+    half = dtype == torch.bfloat16
+    top = getattr(_state["lib"], f"fp8kit_widen_{fmt}")(raw.data_ptr(), raw.numel(), out.data_ptr() if half else None,
+                                                        None if half else out.data_ptr())
+    return out if 0 <= top < _SPECIAL[fmt] else None
