@@ -37,6 +37,7 @@ from fp8kit.bench_common import (
     Timer,
     _data,
     _iterations,
+    cpu_kernels_state,
     device_argument,
     device_description,
     interleaved,
@@ -253,7 +254,8 @@ def format_report(report: dict) -> str:
     lines = [f"fp8kit {report['fp8kit_version']} bench on {report['device']} ({report['device_name']}), "
              f"torch {report['torch_version']}, median of {report['rounds']} interleaved rounds"]
     if report["device"] == "cpu":
-        lines.append("CPU: fp8kit's FP8 GEMMs are emulated (FP8 values as bf16 or float32, float32 accumulation)")
+        lines.append("CPU: fp8kit's FP8 GEMMs are emulated (FP8 values as bf16 or float32, float32 accumulation); "
+                     f"CPU kernels {report.get('cpu_kernels') or 'unknown'}")
     lines += ["", "Linear forward+backward, bf16 operands",
               f"{'shape MxKxN':<16} {'variant':<22} {'ms':>9} {'TFLOP/s':>8} {'vs bf16':>8}"]
     for r in report["linear"]:
@@ -286,6 +288,7 @@ def run_bench(device: str = "auto", quick: bool = False, rounds: Optional[int] =
         "torch_version": torch.__version__,
         "device": dev.type,
         "device_name": device_description(dev),
+        "cpu_kernels": cpu_kernels_state() if dev.type == "cpu" else None,
         "rounds": rounds,
         "quick": quick,
         "compile": False,

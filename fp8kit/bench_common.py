@@ -56,6 +56,13 @@ def device_description(dev: torch.device, cpuinfo: str = "/proc/cpuinfo") -> str
     return f"{torch.get_num_threads()} threads, {model}, " + (" ".join(native) if native else "no native BF16 flags")
 
 
+def cpu_kernels_state() -> str:
+    """Whether fp8kit's CPU kernels (fp8kit.pytorch.cpu_kernels) run the host path's casts, for the reports."""
+    from fp8kit.pytorch import cpu_kernels
+
+    return "on" if cpu_kernels.available() else f"off ({cpu_kernels.reason() or 'switched off'})"
+
+
 class Timer:
     """Times `fn` run `iters` times: CUDA events on a GPU, perf_counter elsewhere. Returns ms per iteration."""
 
