@@ -259,3 +259,26 @@ def test_table_path_still_used_without_kernels(one_thread, monkeypatch):
     monkeypatch.setattr(cast_module, "_cast_by_table", lambda *a: calls.append(1) or table_cast(*a))
     cast_host(torch.randn(512, 512, dtype=torch.bfloat16), 3.0, torch.float8_e4m3fn, math.inf)
     assert calls == [1]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_split_across_threads_equals_one_thread(threads):
+    """With several torch threads a large tensor is cast, reduced and widened in chunks on a thread pool: the same
+    bytes, values, amax and NaN flag as one thread and the reference (a NaN and the largest value in the last
+    chunk)."""
+    x = (torch.randn((1 << 19) + 77) * 7).bfloat16()
+    x[-5], x[-9] = float("nan"), -1000.0
+    old = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, threads):
+            torch.set_num_threads(n)
+            assert len(cpu_kernels._chunks(x.numel())) == n
+            q = cast_host(x, 0.25, torch.float8_e4m3fn, math.inf)
+            results.append((q._data.view(torch.uint8), q._values.view(torch.int16), host.amax_nan(x),
+                            cpu_kernels.widen(q._data.view(torch.uint8)[:-77], torch.float8_e4m3fn, torch.float32)))
+    finally:
+        torch.set_num_threads(old)
+    (d1, v1, a1, w1), (dn, vn, an, wn) = results
+    assert torch.equal(d1, dn) and torch.equal(v1, vn) and a1 == an == (1000.0, False) and torch.equal(w1, wn)
+    np.testing.assert_array_equal(dn.numpy(), _want(x, "e4m3", 0.25))

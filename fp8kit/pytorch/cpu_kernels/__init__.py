@@ -130,29 +130,73 @@ def _declare(lib):
     return lib
 
 
+# Large tensors are split across torch's intra-op thread count: a chunk per thread, the first on the calling thread,
+# the others on a pool of Python threads (ctypes releases the GIL while the C loop runs). Below this many elements
+# per chunk the hand-off costs more than the loop.
+PARALLEL_MIN_CHUNK = 1 << 17
+_pool: dict = {"executor": None, "pid": None, "size": 0}
+
+
+def _chunks(n: int):
+    """(start, count) chunks of n elements, one per thread (starts aligned to 64 elements)."""
+    k = min(torch.get_num_threads(), n // PARALLEL_MIN_CHUNK)
+    if k <= 1:
+        return [(0, n)]
+    step = ((n + k - 1) // k + 63) // 64 * 64
+    return [(start, min(step, n - start)) for start in range(0, n, step)]
+
+
+def _run(calls):
+    """Results of the zero-argument `calls`, the first run here, the others on the pool."""
+    if len(calls) == 1:
+        return [calls[0]()]
+    executor = _pool["executor"]
+    if executor is None or _pool["pid"] != os.getpid() or _pool["size"] < len(calls) - 1:
+        from concurrent.futures import ThreadPoolExecutor  # a fork's child makes its own (threads do not fork)
+
+        executor = ThreadPoolExecutor(max_workers=len(calls) - 1, thread_name_prefix="fp8kit-cpu")
+        _pool.update(executor=executor, pid=os.getpid(), size=len(calls) - 1)
+    futures = [executor.submit(call) for call in calls[1:]]
+    first = calls[0]()
+    return [first] + [f.result() for f in futures]
+
+
+def _ptr(t: Optional[torch.Tensor], start: int):
+    return None if t is None else t.data_ptr() + start * t.element_size()
+
+
 def cast(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, data: Optional[torch.Tensor],
          values: Optional[torch.Tensor]) -> bool:
     """Writes the FP8 bytes of `saturate(float32(x) * scale)` (a NaN: 0x7F) into `data` (uint8) and/or their values
     as bf16 into `values`, for a contiguous bf16, fp16 or float32 CPU x; `scale` a float32 value as a float. False
     (nothing written) where subnormals are flushed (`torch.set_flush_denormal(True)`): use torch then."""
     fn = getattr(_state["lib"], f"fp8kit_cast_{_INPUT[x.dtype]}_{_FORMAT[fp8_dtype]}")
-    return fn(x.data_ptr(), x.numel(), scale, None if data is None else data.data_ptr(),
-              None if values is None else values.data_ptr()) == 0
+    if fn(None, 0, scale, None, None) != 0:  # subnormals flushed on this thread (the pool's may differ)
+        return False
+    return all(rc == 0 for rc in _run([
+        lambda start=start, count=count: fn(_ptr(x, start), count, scale, _ptr(data, start), _ptr(values, start))
+        for start, count in _chunks(x.numel())]))
 
 
 def absmax(x: torch.Tensor) -> Tuple[float, bool]:
     """(max |x| over the non-NaN elements as a float, whether x holds no NaN) for a contiguous bf16, fp16 or float32
     CPU tensor."""
-    nan = ctypes.c_int(0)
     src = _INPUT[x.dtype]
-    bits = getattr(_state["lib"], f"fp8kit_absmax_{src}")(x.data_ptr(), x.numel(), ctypes.byref(nan))
+    fn = getattr(_state["lib"], f"fp8kit_absmax_{src}")
+
+    def part(start: int, count: int):
+        nan = ctypes.c_int(0)
+        return fn(_ptr(x, start), count, ctypes.byref(nan)), nan.value
+
+    parts = _run([lambda start=start, count=count: part(start, count) for start, count in _chunks(x.numel())])
+    bits = max(b for b, _ in parts)
     if src == "bf16":
         value = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
     elif src == "f16":
         value = struct.unpack("<e", struct.pack("<H", bits))[0]
     else:
         value = struct.unpack("<f", struct.pack("<I", bits))[0]
-    return value, not nan.value
+    return value, not any(nan for _, nan in parts)
 
 
 _SPECIAL = {"e4m3": 0x7F, "e5m2": 0x7C}  # the smallest magnitude code that is NaN or inf
@@ -163,8 +207,9 @@ def widen(raw: torch.Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> Opti
     None where they hold a NaN or inf code (use torch then). Exact with subnormals flushed too (no subnormal
     operand)."""
     fmt = _FORMAT[fp8_dtype]
+    fn = getattr(_state["lib"], f"fp8kit_widen_{fmt}")
     out = torch.empty(raw.shape, dtype=dtype)
-    half = dtype == torch.bfloat16
-    top = getattr(_state["lib"], f"fp8kit_widen_{fmt}")(raw.data_ptr(), raw.numel(), out.data_ptr() if half else None,
-                                                        None if half else out.data_ptr())
+    half, wide = (out, None) if dtype == torch.bfloat16 else (None, out)
+    top = max(_run([lambda start=start, count=count: fn(_ptr(raw, start), count, _ptr(half, start), _ptr(wide, start))
+                    for start, count in _chunks(raw.numel())]))
     return out if 0 <= top < _SPECIAL[fmt] else None
