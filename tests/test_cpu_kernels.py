@@ -282,3 +282,13 @@ def test_split_across_threads_equals_one_thread(threads):
     (d1, v1, a1, w1), (dn, vn, an, wn) = results
     assert torch.equal(d1, dn) and torch.equal(v1, vn) and a1 == an == (1000.0, False) and torch.equal(w1, wn)
     np.testing.assert_array_equal(dn.numpy(), _want(x, "e4m3", 0.25))
+
+
+def test_unwritable_cache_directory_uses_the_temporary_one(tmp_path):
+    """A cache directory that cannot be made (a file stands there) leaves the library in the temporary directory."""
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    (tmp_path / "tmp").mkdir()
+    out = _subprocess(CHECK, FP8KIT_CACHE_DIR=str(blocker / "cache"), TMPDIR=str(tmp_path / "tmp"))
+    assert out.split("|")[0].strip() == "True"
+    assert [p.name[:8] for p in (tmp_path / "tmp").glob("fp8kit-*/*.so")] == ["fp8_cpu-"]

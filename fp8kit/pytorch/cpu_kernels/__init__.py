@@ -99,10 +99,19 @@ def _build() -> Path:
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
-    target = _cache_dir() / f"fp8_cpu-{key}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    name = f"fp8_cpu-{key}.so"
+    for folder in (_cache_dir(), Path(tempfile.gettempdir()) / f"fp8kit-{os.getuid() if hasattr(os, 'getuid') else 0}"):
+        if (folder / name).exists():
+            return folder / name
+        try:  # an unwritable cache directory: the temporary directory instead
+            folder.mkdir(parents=True, exist_ok=True)
+            if os.access(folder, os.W_OK):
+                break
+        except OSError:
+            continue
+    else:
+        raise RuntimeError(f"no writable directory for the CPU kernels ({_cache_dir()} nor the temporary directory)")
+    target = folder / name
     errors = []
     for extra in (("-march=native",), ()):  # tuned for this CPU where the compiler knows it
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
