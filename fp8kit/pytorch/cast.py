@@ -322,7 +322,7 @@ def _cast_native(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, nan_free
     want_values = values and x.dtype == torch.bfloat16
     inv = host.reciprocal(scale)
     if defer_bytes and want_values and not x.is_inference():
-        widened = torch.empty(x.shape, dtype=torch.bfloat16)
+        widened = cpu_kernels.pool.empty(x.shape, torch.bfloat16)
         if not cpu_kernels.cast(x, scale, fp8_dtype, None, widened):
             return None
         version = x._version
@@ -338,7 +338,7 @@ def _cast_native(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, nan_free
 
         return DeferredBytesStorage.make(x.shape, fp8_dtype, widened, make_bytes, x.dtype, inv, nan_free)
     data = torch.empty(x.shape, dtype=fp8_dtype)
-    widened = torch.empty(x.shape, dtype=torch.bfloat16) if want_values else None
+    widened = cpu_kernels.pool.empty(x.shape, torch.bfloat16) if want_values else None
     if not cpu_kernels.cast(x, scale, fp8_dtype, data.view(torch.uint8), widened):
         return None
     q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=inv)

@@ -27,6 +27,8 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
+from . import pool
+
 __all__ = ["available", "reason", "switched", "cast", "absmax", "widen"]
 
 ENV = "FP8KIT_CPU_KERNELS"
@@ -217,7 +219,7 @@ def widen(raw: torch.Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> Opti
     operand)."""
     fmt = _FORMAT[fp8_dtype]
     fn = getattr(_state["lib"], f"fp8kit_widen_{fmt}")
-    out = torch.empty(raw.shape, dtype=dtype)
+    out = pool.empty(raw.shape, dtype)
     half, wide = (out, None) if dtype == torch.bfloat16 else (None, out)
     top = max(_run([lambda start=start, count=count: fn(_ptr(raw, start), count, _ptr(half, start), _ptr(wide, start))
                     for start, count in _chunks(raw.numel())]))

@@ -32,6 +32,7 @@ from typing import Callable, Deque, Optional
 import torch
 import torch.nn.functional as F
 
+from ..cpu_kernels import pool
 from ..distributed import all_gather_fp8, all_reduce_sum, gather_along_first_dim, reduce_scatter_along_first_dim
 from ..gemm import gemm
 from ..quantized_tensor import QuantizedTensorStorage
@@ -156,6 +157,7 @@ class _LinearFunction(torch.autograd.Function):
         fused_bias = None if row else bias  # row parallel: the bias is added once, after the reduction
         if fprop:
             y = gemm(x_fp8, w_fp8.transposed(), x.dtype, fused_bias, use_fast_accum=plan.fast_accum[0])
+            pool.recycle(x_fp8)  # its widened values (CPU) served this GEMM only: the saved form is its bytes
         else:
             y = F.linear(x, weight, fused_bias)
         if row:
@@ -240,6 +242,8 @@ class _LinearFunction(torch.autograd.Function):
                 db = dy_local.sum(0)
             if gather:
                 db = all_reduce_sum(db, tp.group)
+        if plan.wgrad_store is None:  # the CPU GEMMs' widened operands (a deferred wgrad still needs them)
+            pool.recycle(dy_fp8, x_operand)
         if plan.track_backward and not torch.compiler.is_compiling():
             plan.step.backward_done()
         return dx, dw, db, None

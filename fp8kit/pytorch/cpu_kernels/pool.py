@@ -1,0 +1,92 @@
+"""Reuse of the CPU kernels' large temporaries: the widened GEMM operands (bf16 values) that live for one GEMM or one
+backward pass.
+
+A fresh multi-megabyte CPU tensor costs page faults when first written (glibc returns freed large blocks to the
+system, and a training step allocates and frees several per Linear call: x's values in the forward, dy's values
+and x's re-widened values in the backward). The Linear Function hands such a tensor back (`recycle`) once its GEMMs
+are done; it is kept only when nothing else refers to it: no other Python reference, no C++ holder (autograd, a
+view's base), no other tensor on its storage (a view, a NumPy array). `empty` hands a kept tensor of the same shape
+and dtype out again; the kernels overwrite every element. Bounded: two per shape, 256 MiB in all.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Dict, List, Tuple
+
+import torch
+
+__all__ = ["empty", "recycle", "clear"]
+
+MIN_BYTES = 1 << 20  # smaller blocks come from the allocator's free lists without page faults
+MAX_PER_SHAPE = 2
+MAX_BYTES = 256 << 20
+
+_free: Dict[Tuple, List[torch.Tensor]] = {}
+_held = [0]
+_lock = threading.Lock()
+
+
+def _key(shape, dtype: torch.dtype) -> Tuple:
+    return tuple(shape), dtype, torch.is_inference_mode_enabled()
+
+
+def empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor: a recycled one of this shape and dtype if there is one."""
+    found = _free.get(_key(shape, dtype))
+    if found:
+        with _lock:
+            if found:
+                t = found.pop()
+                _held[0] -= t.nbytes
+                return t
+    return torch.empty(shape, dtype=dtype)
+
+
+def _references(t: torch.Tensor) -> int:
+    return sys.getrefcount(t)
+
+
+def _one_local_name() -> int:
+    t = torch.empty(0)
+    return _references(t)
+
+
+# what `_references` gives for a tensor held by one local name of its caller (measured, not assumed: interpreters
+# differ in the references their calls hold)
+_BASELINE = _one_local_name()
+
+
+def _unshared(t: torch.Tensor) -> bool:
+    """Whether nothing outside Python holds `t`: no C++ holder of its TensorImpl (autograd, a view's base) and no
+    other tensor or array on its storage."""
+    return (t._use_count() == 1 and t._base is None
+            and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)
+
+
+def recycle(*owners) -> None:
+    """Take the widened values (`_values`) off these storages (None and plain tensors are skipped) and keep those
+    nothing else refers to for `empty`. The storages stay usable: a later `values()` widens again."""
+    if torch.compiler.is_compiling():
+        return
+    for owner in owners:
+        t = None if isinstance(owner, torch.Tensor) else getattr(owner, "_values", None)
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.nbytes < MIN_BYTES or not t.is_contiguous():
+            continue
+        owner._values = None
+        if _references(t) > _BASELINE or not _unshared(t):
+            continue
+        key = (tuple(t.shape), t.dtype, t.is_inference())
+        with _lock:
+            kept = _free.setdefault(key, [])
+            if len(kept) < MAX_PER_SHAPE and _held[0] + t.nbytes <= MAX_BYTES:
+                kept.append(t)
+                _held[0] += t.nbytes
+
+
+def clear() -> None:
+    """Drop every kept tensor."""
+    with _lock:
+        _free.clear()
+        _held[0] = 0
