@@ -292,3 +292,33 @@ def test_unwritable_cache_directory_uses_the_temporary_one(tmp_path):
     out = _subprocess(CHECK, FP8KIT_CACHE_DIR=str(blocker / "cache"), TMPDIR=str(tmp_path / "tmp"))
     assert out.split("|")[0].strip() == "True"
     assert [p.name[:8] for p in (tmp_path / "tmp").glob("fp8kit-*/*.so")] == ["fp8_cpu-"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "f32"])
+def test_delayed_cast_records_the_amax_of_the_same_pass(dtype):
+    """Delayed scaling's cast with its amax in one pass (`cast_host_recording`): the bytes and values of `cast_host`
+    and the amax and NaN flag of the reference, with NaN, infinities and all-NaN inputs, in chunks on two threads."""
+    rng = np.random.default_rng(5)
+    old = torch.get_num_threads()
+    try:
+        for threads, special in [(1, None), (1, "nan"), (2, "inf"), (2, "nan"), (1, "all-nan"), (1, "zeros")]:
+            torch.set_num_threads(threads)
+            x = rng.standard_normal((1 << 18) + 3) * 9
+            if special == "all-nan":
+                x[:] = np.nan
+            elif special == "zeros":
+                x[:] = 0
+            elif special is not None:
+                x[rng.integers(0, x.size, 4)] = {"nan": np.nan, "inf": -np.inf}[special]
+            t = torch.from_numpy(x).to(dtype)
+            q, a, nan_free = cast_module.cast_host_recording(t, 3.5, torch.float8_e4m3fn)
+            assert np.float32(a) == ref.amax(_as_float32(t)) and nan_free == (not np.isnan(x).any()), special
+            np.testing.assert_array_equal(q._data.view(torch.uint8).numpy(), _want(t, "e4m3", 3.5))
+            want = cast_host(t, 3.5, torch.float8_e4m3fn, math.inf)
+            assert torch.equal(q._data, want._data) and (q._values is None) == (want._values is None)
+            if q._values is not None:
+                assert torch.equal(q._values.view(torch.int16), want._values.view(torch.int16))
+    finally:
+        torch.set_num_threads(old)
+    with cpu_kernels.switched(False):
+        assert cast_module.cast_host_recording(t, 3.5, torch.float8_e4m3fn) is None

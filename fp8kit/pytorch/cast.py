@@ -213,9 +213,9 @@ def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value:
     values only); x must not be modified in place until then. `values=False`: no GEMM follows (the quantize API), so
     the table cast gathers the bytes only."""
     if x.dtype in _NATIVE_DTYPES and x.numel() >= NATIVE_MIN_NUMEL and x.is_contiguous() and cpu_kernels.available():
-        q = _cast_native(x, scale, fp8_dtype, nan_free, defer_bytes, values)
-        if q is not None:
-            return q
+        done = _cast_native(x, scale, fp8_dtype, nan_free, defer_bytes, values)
+        if done is not None:
+            return done[0]
     widened = None
     if x.dtype in _TABLE_DTYPES and x.numel() >= TABLE_MIN_NUMEL and torch.get_num_threads() == 1:
         if defer_bytes and x.dtype == torch.bfloat16 and not x.is_inference():
@@ -317,13 +317,16 @@ _NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _cast_native(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, nan_free: bool, defer_bytes: bool,
-                 values: bool) -> Optional[Float8TensorStorage]:
-    """`cast_host` by the CPU kernels for a contiguous x, or None where they refuse (subnormals flushed)."""
+                 values: bool, track: bool = False):
+    """`cast_host` by the CPU kernels for a contiguous x: (the storage, with `track` x's (amax, NaN-free) from the
+    same pass, else None), or None where they refuse (subnormals flushed)."""
     want_values = values and x.dtype == torch.bfloat16
+    run = cpu_kernels.cast_amax if track else cpu_kernels.cast
     inv = host.reciprocal(scale)
     if defer_bytes and want_values and not x.is_inference():
         widened = cpu_kernels.pool.empty(x.shape, torch.bfloat16)
-        if not cpu_kernels.cast(x, scale, fp8_dtype, None, widened):
+        seen = run(x, scale, fp8_dtype, None, widened)
+        if not seen:
             return None
         version = x._version
 
@@ -336,12 +339,27 @@ def _cast_native(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, nan_free
                 data = cast_to_fp8(x, scale, fp8_dtype).view(torch.uint8)
             return data
 
-        return DeferredBytesStorage.make(x.shape, fp8_dtype, widened, make_bytes, x.dtype, inv, nan_free)
+        finite = seen[1] if track else nan_free
+        return DeferredBytesStorage.make(x.shape, fp8_dtype, widened, make_bytes, x.dtype, inv, finite), \
+            (seen if track else None)
     data = torch.empty(x.shape, dtype=fp8_dtype)
     widened = cpu_kernels.pool.empty(x.shape, torch.bfloat16) if want_values else None
-    if not cpu_kernels.cast(x, scale, fp8_dtype, data.view(torch.uint8), widened):
+    seen = run(x, scale, fp8_dtype, data.view(torch.uint8), widened)
+    if not seen:
         return None
     q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=inv)
-    q._codes_finite = nan_free
+    q._codes_finite = seen[1] if track else nan_free
     q._values = widened
-    return q
+    return q, (seen if track else None)
+
+
+def cast_host_recording(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype,
+                        defer_bytes: bool = False) -> Optional[Tuple[Float8TensorStorage, float, bool]]:
+    """Delayed scaling's host-path cast with the amax it records, in one pass where the CPU kernels take x: (the
+    storage `cast_host` makes, `host.amax_nan(x)`), or None (then take the amax and `cast_host` apart)."""
+    if x.dtype in _NATIVE_DTYPES and x.numel() >= NATIVE_MIN_NUMEL and x.is_contiguous() and cpu_kernels.available():
+        done = _cast_native(x, scale, fp8_dtype, False, defer_bytes, True, track=True)
+        if done is not None:
+            q, (a, nan_free) = done
+            return q, a, nan_free
+    return None

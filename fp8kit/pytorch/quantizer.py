@@ -14,7 +14,17 @@ from typing import Tuple
 import torch
 
 from . import host, kernels
-from .cast import FP8_MAX, amax, cast, cast_1d, cast_host, current_scale, current_scale_1d, fp8_max_of
+from .cast import (
+    FP8_MAX,
+    amax,
+    cast,
+    cast_1d,
+    cast_host,
+    cast_host_recording,
+    current_scale,
+    current_scale_1d,
+    fp8_max_of,
+)
 from .state import ScalingState
 from .tensor.storage import Float8TensorStorage
 
@@ -48,10 +58,14 @@ class DelayedQuantizer:
     def quantize(self, x: torch.Tensor, transpose: bool = False) -> Float8TensorStorage:
         """Cast `x`; with `transpose` (and x off the CPU) the result carries `data_t`."""
         if host.active(x.device):
-            a, nan_free = host.amax_nan(x)
-            self.state.record(self.slot, a)
             scale = float(self.state.host_views()[1][self.slot])
-            q = cast_host(x, scale, self.fp8_dtype, a, nan_free, self.defer_bytes)
+            done = cast_host_recording(x, scale, self.fp8_dtype, self.defer_bytes)  # cast and amax in one pass
+            if done is None:
+                a, nan_free = host.amax_nan(x)
+                q = cast_host(x, scale, self.fp8_dtype, a, nan_free, self.defer_bytes)
+            else:
+                q, a, _ = done
+            self.state.record(self.slot, a)
             if self.stats is not None:
                 self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
                                   torch.scalar_tensor(a, dtype=torch.float32))

@@ -29,7 +29,7 @@ import torch
 
 from . import pool
 
-__all__ = ["available", "reason", "switched", "cast", "absmax", "widen"]
+__all__ = ["available", "reason", "switched", "cast", "cast_amax", "absmax", "widen"]
 
 ENV = "FP8KIT_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("fp8_cpu.c")
@@ -128,11 +128,17 @@ def _build() -> Path:
     raise RuntimeError(f"{compiler} failed: {errors}")
 
 
+ABI = 2  # fp8_cpu.c's fp8kit_abi(): the signatures declared below
+
+
 def _declare(lib):
+    lib.fp8kit_abi.argtypes, lib.fp8kit_abi.restype = [], ctypes.c_int
+    if lib.fp8kit_abi() != ABI:
+        raise RuntimeError(f"the built library has interface {lib.fp8kit_abi()}, this fp8kit expects {ABI}")
     for fmt in _FORMAT.values():
         for src in _INPUT.values():
             fn = getattr(lib, f"fp8kit_cast_{src}_{fmt}")
-            fn.argtypes, fn.restype = [_P, _N, _F, _P, _P], ctypes.c_int
+            fn.argtypes, fn.restype = [_P, _N, _F, _P, _P, _P, _P], ctypes.c_int
         fn = getattr(lib, f"fp8kit_widen_{fmt}")
         fn.argtypes, fn.restype = [_P, _N, _P, _P], ctypes.c_int32
     for src in _INPUT.values():
@@ -181,33 +187,55 @@ def cast(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, data: Optional[t
     """Writes the FP8 bytes of `saturate(float32(x) * scale)` (a NaN: 0x7F) into `data` (uint8) and/or their values
     as bf16 into `values`, for a contiguous bf16, fp16 or float32 CPU x; `scale` a float32 value as a float. False
     (nothing written) where subnormals are flushed (`torch.set_flush_denormal(True)`): use torch then."""
+    return _cast(x, scale, fp8_dtype, data, values, False) is not None
+
+
+def cast_amax(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, data: Optional[torch.Tensor],
+              values: Optional[torch.Tensor]) -> Optional[Tuple[float, bool]]:
+    """`cast`, and in the same pass `absmax(x)` (the amax delayed scaling records); None where `cast` is False."""
+    parts = _cast(x, scale, fp8_dtype, data, values, True)
+    return None if parts is None else _amax_of(x.dtype, parts)
+
+
+def _cast(x, scale, fp8_dtype, data, values, track: bool):
+    """The chunks' (amax bits, NaN seen) (or Nones without `track`), or None when the kernel refused."""
     fn = getattr(_state["lib"], f"fp8kit_cast_{_INPUT[x.dtype]}_{_FORMAT[fp8_dtype]}")
-    if fn(None, 0, scale, None, None) != 0:  # subnormals flushed on this thread (the pool's may differ)
-        return False
-    return all(rc == 0 for rc in _run([
-        lambda start=start, count=count: fn(_ptr(x, start), count, scale, _ptr(data, start), _ptr(values, start))
-        for start, count in _chunks(x.numel())]))
+    if fn(None, 0, scale, None, None, None, None) != 0:  # subnormals flushed on this thread (the pool's may differ)
+        return None
+
+    def part(start: int, count: int):
+        bits, nan = ctypes.c_uint64(0), ctypes.c_int(0)
+        rc = fn(_ptr(x, start), count, scale, _ptr(data, start), _ptr(values, start),
+                ctypes.byref(bits) if track else None, ctypes.byref(nan) if track else None)
+        return rc, bits.value, nan.value
+
+    parts = _run([lambda start=start, count=count: part(start, count) for start, count in _chunks(x.numel())])
+    return None if any(rc for rc, _, _ in parts) else [(bits, nan) for _, bits, nan in parts]
+
+
+def _amax_of(dtype: torch.dtype, parts) -> Tuple[float, bool]:
+    """(the amax as a float, no NaN seen) from the chunks' (magnitude bits, NaN seen)."""
+    bits = max(b for b, _ in parts)
+    if dtype == torch.bfloat16:
+        value = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+    elif dtype == torch.float16:
+        value = struct.unpack("<e", struct.pack("<H", bits))[0]
+    else:
+        value = struct.unpack("<f", struct.pack("<I", bits))[0]
+    return value, not any(nan for _, nan in parts)
 
 
 def absmax(x: torch.Tensor) -> Tuple[float, bool]:
     """(max |x| over the non-NaN elements as a float, whether x holds no NaN) for a contiguous bf16, fp16 or float32
     CPU tensor."""
-    src = _INPUT[x.dtype]
-    fn = getattr(_state["lib"], f"fp8kit_absmax_{src}")
+    fn = getattr(_state["lib"], f"fp8kit_absmax_{_INPUT[x.dtype]}")
 
     def part(start: int, count: int):
         nan = ctypes.c_int(0)
         return fn(_ptr(x, start), count, ctypes.byref(nan)), nan.value
 
-    parts = _run([lambda start=start, count=count: part(start, count) for start, count in _chunks(x.numel())])
-    bits = max(b for b, _ in parts)
-    if src == "bf16":
-        value = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
-    elif src == "f16":
-        value = struct.unpack("<e", struct.pack("<H", bits))[0]
-    else:
-        value = struct.unpack("<f", struct.pack("<I", bits))[0]
-    return value, not any(nan for _, nan in parts)
+    return _amax_of(x.dtype, _run([lambda start=start, count=count: part(start, count)
+                                   for start, count in _chunks(x.numel())]))
 
 
 _SPECIAL = {"e4m3": 0x7F, "e5m2": 0x7C}  # the smallest magnitude code that is NaN or inf

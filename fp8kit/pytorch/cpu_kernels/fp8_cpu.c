@@ -18,6 +18,10 @@
 #include <stdint.h>
 #include <string.h>
 
+/* The interface version: fp8kit/pytorch/cpu_kernels/__init__.py declares the functions for this one and refuses a
+ * library of another (a signature read wrongly would write through garbage pointers). */
+int fp8kit_abi(void) { return 2; }
+
 static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
 
@@ -57,39 +61,66 @@ static inline __attribute__((always_inline)) void cast_one(float v, float scale,
 }
 
 /* The loops, one per set of outputs (so that each vectorises without per-element tests): `ob` the bytes, `ov`
- * the values as bf16 bits. */
-#define DEFINE_CAST(NAME, T, LOAD, FMT)                                                                            \
-    int NAME(const T *restrict x, size_t n, float scale, uint8_t *restrict ob, uint16_t *restrict ov) {             \
+ * the values as bf16 bits; with `amax` also the largest magnitude of x over its non-NaN elements, as bits (a
+ * non-negative IEEE value orders as its bits), and in `*nan` whether x holds a NaN (delayed scaling: the cast and
+ * the amax in one pass). `MAG` is x[i]'s magnitude bits as int32, `INF` the infinity's. */
+#define CAST_LOOPS(LOAD, FMT, TRACK, MAG, INF)                                                                     \
+    if (ob && ov) {                                                                                                \
+        for (size_t i = 0; i < n; i++) {                                                                           \
+            cast_one(LOAD, scale, FMT, &code, &half);                                                              \
+            ob[i] = code;                                                                                          \
+            ov[i] = half;                                                                                          \
+            TRACK(MAG, INF)                                                                                        \
+        }                                                                                                          \
+    } else if (ob) {                                                                                               \
+        for (size_t i = 0; i < n; i++) {                                                                           \
+            cast_one(LOAD, scale, FMT, &code, &half);                                                              \
+            ob[i] = code;                                                                                          \
+            TRACK(MAG, INF)                                                                                        \
+        }                                                                                                          \
+    } else {                                                                                                       \
+        for (size_t i = 0; i < n; i++) {                                                                           \
+            cast_one(LOAD, scale, FMT, &code, &half);                                                              \
+            ov[i] = half;                                                                                          \
+            TRACK(MAG, INF)                                                                                        \
+        }                                                                                                          \
+    }
+
+#define NO_TRACK(MAG, INF)
+#define TRACK_AMAX(MAG, INF)                                                                                       \
+    {                                                                                                              \
+        int32_t a = (MAG);                                                                                         \
+        hi = hi > a ? hi : a;                                                                                      \
+        a = a > (INF) ? 0 : a;                                                                                     \
+        top = top > a ? top : a;                                                                                   \
+    }
+
+#define DEFINE_CAST(NAME, T, LOAD, FMT, MAG, INF)                                                                  \
+    int NAME(const T *restrict x, size_t n, float scale, uint8_t *restrict ob, uint16_t *restrict ov,             \
+             uint64_t *restrict amax, int *restrict nan) {                                                         \
         if (denormals_flushed())                                                                                   \
             return -1;                                                                                             \
         uint8_t code;                                                                                              \
         uint16_t half;                                                                                             \
-        if (ob && ov) {                                                                                            \
-            for (size_t i = 0; i < n; i++) {                                                                       \
-                cast_one(LOAD, scale, FMT, &code, &half);                                                          \
-                ob[i] = code;                                                                                      \
-                ov[i] = half;                                                                                      \
-            }                                                                                                      \
-        } else if (ob) {                                                                                           \
-            for (size_t i = 0; i < n; i++) {                                                                       \
-                cast_one(LOAD, scale, FMT, &code, &half);                                                          \
-                ob[i] = code;                                                                                      \
-            }                                                                                                      \
+        if (amax) {                                                                                                \
+            int32_t top = 0, hi = 0;                                                                               \
+            CAST_LOOPS(LOAD, FMT, TRACK_AMAX, MAG, INF)                                                            \
+            *amax = (uint64_t)top;                                                                                 \
+            *nan = hi > (INF);                                                                                     \
         } else {                                                                                                   \
-            for (size_t i = 0; i < n; i++) {                                                                       \
-                cast_one(LOAD, scale, FMT, &code, &half);                                                          \
-                ov[i] = half;                                                                                      \
-            }                                                                                                      \
+            CAST_LOOPS(LOAD, FMT, NO_TRACK, MAG, INF)                                                              \
         }                                                                                                          \
         return 0;                                                                                                  \
     }
 
 #define LOAD_BF16 float_of((uint32_t)x[i] << 16)
 #define LOAD_F32 x[i]
-DEFINE_CAST(fp8kit_cast_bf16_e4m3, uint16_t, LOAD_BF16, E4M3)
-DEFINE_CAST(fp8kit_cast_bf16_e5m2, uint16_t, LOAD_BF16, E5M2)
-DEFINE_CAST(fp8kit_cast_f32_e4m3, float, LOAD_F32, E4M3)
-DEFINE_CAST(fp8kit_cast_f32_e5m2, float, LOAD_F32, E5M2)
+#define MAG16 ((int32_t)(x[i] & 0x7FFFu))
+#define MAG32 ((int32_t)(bits_of(x[i]) & 0x7FFFFFFFu))
+DEFINE_CAST(fp8kit_cast_bf16_e4m3, uint16_t, LOAD_BF16, E4M3, MAG16, 0x7F80)
+DEFINE_CAST(fp8kit_cast_bf16_e5m2, uint16_t, LOAD_BF16, E5M2, MAG16, 0x7F80)
+DEFINE_CAST(fp8kit_cast_f32_e4m3, float, LOAD_F32, E4M3, MAG32, 0x7F800000)
+DEFINE_CAST(fp8kit_cast_f32_e5m2, float, LOAD_F32, E5M2, MAG32, 0x7F800000)
 
 /* fp16 to float32 by bits (vectorises where a conversion instruction may be missing): the magnitude's bits moved
  * into float32's fields and multiplied by 2^(127 - 15), exactly (subnormals become normal); inf and NaN keep
@@ -100,8 +131,8 @@ static inline __attribute__((always_inline)) float f16_value(uint16_t h) {
     return float_of(v | ((uint32_t)(h & 0x8000u) << 16));
 }
 #define LOAD_F16 f16_value(x[i])
-DEFINE_CAST(fp8kit_cast_f16_e4m3, uint16_t, LOAD_F16, E4M3)
-DEFINE_CAST(fp8kit_cast_f16_e5m2, uint16_t, LOAD_F16, E5M2)
+DEFINE_CAST(fp8kit_cast_f16_e4m3, uint16_t, LOAD_F16, E4M3, MAG16, 0x7C00)
+DEFINE_CAST(fp8kit_cast_f16_e5m2, uint16_t, LOAD_F16, E5M2, MAG16, 0x7C00)
 
 #define MAX_OF(a, b) ((a) > (b) ? (a) : (b))
 

@@ -215,7 +215,7 @@ class _LinearFunction(torch.autograd.Function):
             dy_fp8 = all_gather_fp8(dy_fp8, tp.group)
             if not (dgrad and wgrad):
                 dy = gather_along_first_dim(dy, tp.group)
-        dx = dw = None
+        dx = dw = x_operand = None
         if ctx.needs_input_grad[0]:
             if dgrad:
                 dx = gemm(dy_fp8, _weight_operand(plan, ctx.rebuild[1], w_saved, ctx.inv_values[1]), x_dtype,
