@@ -44,18 +44,8 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _references(t: torch.Tensor) -> int:
-    return sys.getrefcount(t)
-
-
-def _one_local_name() -> int:
-    t = torch.empty(0)
-    return _references(t)
-
-
-# what `_references` gives for a tensor held by one local name of its caller (measured, not assumed: interpreters
-# differ in the references their calls hold)
-_BASELINE = _one_local_name()
+def _references(obj) -> int:
+    return sys.getrefcount(obj)
 
 
 def _unshared(t: torch.Tensor) -> bool:
@@ -70,12 +60,16 @@ def recycle(*owners) -> None:
     nothing else refers to for `empty`. The storages stay usable: a later `values()` widens again."""
     if torch.compiler.is_compiling():
         return
+    # what `_references` gives for an object held by one local name of this frame, measured here and now: the
+    # interpreter, and tools hooked into frame evaluation (torch.compile's leaves one installed), may hold more
+    probe = object()
+    baseline = _references(probe)
     for owner in owners:
         t = None if isinstance(owner, torch.Tensor) else getattr(owner, "_values", None)
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.nbytes < MIN_BYTES or not t.is_contiguous():
             continue
         owner._values = None
-        if _references(t) > _BASELINE or not _unshared(t):
+        if _references(t) > baseline or not _unshared(t):
             continue
         key = (tuple(t.shape), t.dtype, t.is_inference())
         with _lock:
