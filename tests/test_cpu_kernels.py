@@ -322,3 +322,69 @@ def test_delayed_cast_records_the_amax_of_the_same_pass(dtype):
         torch.set_num_threads(old)
     with cpu_kernels.switched(False):
         assert cast_module.cast_host_recording(t, 3.5, torch.float8_e4m3fn) is None
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_stats_counted_by_the_kernels_equal_the_torch_counts(recipe):
+    """A bf16 Linear's statistics counted by the kernels (on the casts' bf16 values: dy's deferred bytes stay
+    unmade) equal those counted by torch without the kernels, row for row, including saturation and underflow."""
+    from fp8kit.pytorch.stats import RoleStats
+
+    def run(on):
+        torch.manual_seed(0)
+        lin = te.Linear(256, 128, params_dtype=torch.bfloat16)
+        te.enable_stats(lin)
+        g = torch.Generator().manual_seed(2)
+        made = []
+        record_host = RoleStats.record_host
+
+        def spy(self, x, q, scale, a):
+            record_host(self, x, q, scale, a)
+            made.append(getattr(q, "bytes_made", True))
+        RoleStats.record_host = spy
+        try:
+            with cpu_kernels.switched(on):
+                for _ in range(2):
+                    x = (torch.randn(512, 256, generator=g) * torch.logspace(-9, 3, 256)).bfloat16()
+                    x[0, :4] = torch.tensor([0.0, -0.0, float("nan"), 1e-30])
+                    x.requires_grad_()
+                    with te.autocast(recipe=recipe):
+                        y = lin(x)
+                    (y.float() * torch.logspace(-12, 4, 128)).sum().backward()
+        finally:
+            RoleStats.record_host = record_host
+        return te.stats(lin), made
+
+    (got, made_on), (want, _) = run(True), run(False)
+    assert got == want and got[0]["saturated"] > 0 and got[0]["underflow"] > 0
+    assert False in made_on  # a grad_output counted without making its bytes
+
+
+def test_stats_rows_combine_host_and_tensor_casts():
+    """Casts recorded by torch (`record`) and by the kernels (`record_host`) into one RoleStats give the row of all
+    of them (reference counts), with the most recent cast's scale."""
+    from fp8kit.pytorch.stats import RoleStats
+
+    rng = np.random.default_rng(7)
+    xs = [(rng.standard_normal(4096) * 10.0 ** rng.uniform(-8, 3, 4096)).astype(np.float32) for _ in range(3)]
+    for x in xs:
+        x[:3] = [0.0, np.nan, 1e-30]
+    scales = [2.0, 0.5, 8.0]
+    rs = RoleStats()
+    for i, (x, s) in enumerate(zip(xs, scales)):
+        t = torch.from_numpy(x)
+        q = cast_host(t, s, torch.float8_e4m3fn, math.inf)
+        if i == 1:
+            rs.record(t, q, torch.tensor(s), torch.tensor(float(ref.amax(x))))
+        else:
+            rs.record_host(t, q, s, float(ref.amax(x)))
+    row = rs.row()
+    bytes_ = [ref.cast(x, "e4m3", s)[0] for x, s in zip(xs, scales)]
+    n = sum(x.size for x in xs)
+    saturated = sum(int(np.sum((b & 0x7F) == 0x7E)) for b in bytes_) / n
+    nonzero = sum(int(np.count_nonzero(x)) for x in xs)
+    flushed = sum(int(np.sum((x != 0) & ((b & 0x7F) == 0))) for x, b in zip(xs, bytes_))
+    assert row["saturated"] == pytest.approx(saturated, rel=1e-12) and saturated > 0
+    assert row["underflow"] == pytest.approx(flushed / nonzero, rel=1e-12) and flushed > 0
+    assert row["amax"] == float(max(ref.amax(x) for x in xs)) and row["scale"] == 8.0 and row["casts"] == 3

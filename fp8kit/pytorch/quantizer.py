@@ -67,8 +67,7 @@ class DelayedQuantizer:
                 q, a, _ = done
             self.state.record(self.slot, a)
             if self.stats is not None:
-                self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
-                                  torch.scalar_tensor(a, dtype=torch.float32))
+                self.stats.record_host(x, q, scale, a)
             return q
         if self.stats is None and kernels.use_for(x):  # one fused pass: FP8 bytes (+ transpose), amax into the slot
             inv = torch.empty((1,), dtype=torch.float32, device=x.device)
@@ -147,8 +146,7 @@ class CurrentQuantizer:
             scale = host.current_scale(a, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2)
             q = cast_host(x, scale, self.fp8_dtype, a, nan_free, self.defer_bytes)
             if self.stats is not None:
-                self.stats.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
-                                  torch.scalar_tensor(a, dtype=torch.float32))
+                self.stats.record_host(x, q, scale, a)
             return q
         if kernels.use_for(x):  # an amax pass, then a cast pass that computes the scale itself
             data, data_t, scale, inv, _ = kernels.current_cast(x, self.fp8_dtype, self.amax_epsilon, self.power_2,

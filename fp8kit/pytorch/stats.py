@@ -14,7 +14,10 @@ transform): saturated = elements whose code is +-max of the element format (E4M3
 units of their block's scale; underflow = non-zero x whose code is +-0.
 
 Everything is accumulated on the tensors' device without a host synchronization (per cast: a count of the non-zeros
-of x, a 256-bin histogram of the FP8 bytes and a few scalar operations); `stats()` synchronizes once per row.
+of x, a 256-bin histogram of the FP8 bytes and a few scalar operations); `stats()` synchronizes once per row. On the
+CPU host path the CPU kernels (fp8kit.pytorch.cpu_kernels) count instead, into Python numbers: the four edge codes
+in one vectorised pass over the cast's codes (or their bf16 values, so that a grad_output's deferred bytes stay
+unmade) and the non-zeros of x in one more (`RoleStats.record_host`).
 
     import fp8kit.pytorch as te
     te.enable_stats(model)            # every fp8kit module in `model` starts recording
@@ -30,11 +33,14 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import os
+import struct
 from typing import Dict, Iterable, List, Optional, Union
 
 import torch
 
+from . import cpu_kernels
 from .cast import amax
 from .tensor.storage import Float8TensorStorage
 
@@ -48,6 +54,11 @@ STATS_COLUMNS = ("module", "role", "fp8_dtype", "casts", "numel", "amax", "scale
 # 57344, sign bit 0x80. E2M1 nibbles (NVFP4, two per byte): 0.11.1 = 6, sign bit 0x8.
 _EDGE_CODES = {"e4m3": (0x00, 0x80, 0x7E, 0xFE), "e5m2": (0x00, 0x80, 0x7B, 0xFB), "e2m1": (0x0, 0x8, 0x7, 0xF)}
 _DTYPE_NAME = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
+# The same codes' values as bf16 bits (the CPU GEMM operand a cast may hold instead of its bytes): +0, -0, +max, -max
+_EDGE_VALUE_BITS = {name: tuple(struct.unpack("<I", struct.pack("<f", v))[0] >> 16 for v in (0.0, -0.0, m, -m))
+                    for name, m in (("e4m3", 448.0), ("e5m2", 57344.0))}
+_HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+HOST_COUNT_MIN_NUMEL = 1 << 10  # from this size on, the CPU kernels count (fp8kit.pytorch.cpu_kernels)
 
 
 class RoleStats:
@@ -56,10 +67,12 @@ class RoleStats:
     Device tensors (created at the first cast, on the cast's device): `amax_value` float32 0-d, `scale_value`
     float32 0-d, `nonzero` int64 0-d (non-zero elements of the x's), `codes` int64 `[256]` (how often each byte of
     the quantized data was produced: an FP8 code, or two E2M1 codes for NVFP4). Python ints: `casts`, `numel`;
-    `fp8_dtype` the element format's name ("e4m3", "e5m2", "e2m1").
+    `fp8_dtype` the element format's name ("e4m3", "e5m2", "e2m1"). Casts counted on the CPU host path by the CPU
+    kernels (`record_host`) accumulate in `host` instead, as Python numbers: [+0, -0, +max, -max codes, all codes,
+    non-zero x, amax, scale]; `host_last` says which of the two recorded the most recent cast (its scale is shown).
     """
 
-    __slots__ = ("amax_value", "scale_value", "nonzero", "codes", "casts", "numel", "fp8_dtype")
+    __slots__ = ("amax_value", "scale_value", "nonzero", "codes", "casts", "numel", "fp8_dtype", "host", "host_last")
 
     def __init__(self):
         self.reset()
@@ -72,6 +85,8 @@ class RoleStats:
         self.casts = 0
         self.numel = 0
         self.fp8_dtype: Optional[str] = None
+        self.host: Optional[list] = None
+        self.host_last = False
 
     def record(self, x: torch.Tensor, q: Float8TensorStorage, scale: torch.Tensor,
                amax_value: Optional[torch.Tensor] = None) -> None:
@@ -79,6 +94,38 @@ class RoleStats:
 
         `amax_value` is `amax(x)` when the caller already has it (delayed scaling computes it anyway)."""
         self._record(x, q._data, _DTYPE_NAME[q.fp8_dtype], scale.reshape(()), amax_value)
+
+    def record_host(self, x: torch.Tensor, q: Float8TensorStorage, scale: float, amax_value: float) -> None:
+        """`record` on the CPU host path, `scale` and `amax_value` as floats: counted by the CPU kernels where they
+        take x and q (one vectorised pass over q's codes, or over their bf16 values when the cast made those, so
+        that a grad_output's deferred bytes stay unmade; one over x for its non-zeros), else by `record`."""
+        fmt = _DTYPE_NAME.get(q.fp8_dtype)
+        values = q._values
+        by_values = values is not None and values.dtype == torch.bfloat16 and values.is_contiguous()
+        if not (fmt is not None and x.dtype in _HOST_DTYPES and x.device.type == "cpu" and x.is_contiguous()
+                and x.numel() >= HOST_COUNT_MIN_NUMEL and cpu_kernels.available()
+                and (by_values or q._data.is_contiguous())):
+            self.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
+                        torch.scalar_tensor(amax_value, dtype=torch.float32))
+            return
+        if self.fp8_dtype is not None and self.fp8_dtype != fmt:
+            self.reset()
+        if by_values:
+            edges = cpu_kernels.count4(values.view(torch.uint16), _EDGE_VALUE_BITS[fmt])
+        else:
+            edges = cpu_kernels.count4(q._data, _EDGE_CODES[fmt])
+        host = self.host if self.host is not None else [0, 0, 0, 0, 0, 0, 0.0, 1.0]
+        for k in range(4):
+            host[k] += edges[k]
+        host[4] += x.numel()
+        host[5] += cpu_kernels.count_nonzero(x)
+        if amax_value > host[6]:
+            host[6] = amax_value
+        host[7] = scale
+        self.host, self.host_last = host, True
+        self.casts += 1
+        self.numel += x.numel()
+        self.fp8_dtype = fmt
 
     def record_block(self, x: torch.Tensor, q) -> None:
         """Account one block-scaled cast of `x` into `q` (an MXFP8, Float8 block or NVFP4 storage with rowwise
@@ -106,6 +153,7 @@ class RoleStats:
         self.nonzero.add_(torch.count_nonzero(x))
         torch.fmax(self.amax_value, amax_value.float(), out=self.amax_value)
         self.scale_value.copy_(scale)  # a copy now: delayed scaling updates its scale in place later
+        self.host_last = False
         self.casts += 1
         self.numel += x.numel()
         self.fp8_dtype = fmt
@@ -114,15 +162,21 @@ class RoleStats:
         """A dict with the STATS_COLUMNS other than `module` and `role` (None before the first cast)."""
         if self.casts == 0:
             return None
-        codes = self.codes
-        if self.fp8_dtype == "e2m1":  # byte = high nibble * 16 + low nibble: count each nibble's codes
-            by_nibble = codes.view(16, 16)
-            codes = by_nibble.sum(0) + by_nibble.sum(1)
-        picked = codes[list(_EDGE_CODES[self.fp8_dtype])]  # +0, -0, +max, -max
-        values = torch.cat([picked.double(), codes.sum().double()[None], self.nonzero.double()[None],
-                            self.amax_value.double()[None], self.scale_value.double()[None]])
-        # One synchronization.
-        pos_zero, neg_zero, pos_max, neg_max, n_codes, nonzero_x, amax_value, scale = values.tolist()
+        counts = [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, math.nan, math.nan]
+        if self.codes is not None:
+            codes = self.codes
+            if self.fp8_dtype == "e2m1":  # byte = high nibble * 16 + low nibble: count each nibble's codes
+                by_nibble = codes.view(16, 16)
+                codes = by_nibble.sum(0) + by_nibble.sum(1)
+            picked = codes[list(_EDGE_CODES[self.fp8_dtype])]  # +0, -0, +max, -max
+            values = torch.cat([picked.double(), codes.sum().double()[None], self.nonzero.double()[None],
+                                self.amax_value.double()[None], self.scale_value.double()[None]])
+            counts = values.tolist()  # one synchronization
+        if self.host is not None:
+            counts = [a + b for a, b in zip(counts[:6], self.host[:6])] + [
+                max(counts[6], self.host[6]) if counts[6] == counts[6] else self.host[6],  # NaN: no tensor casts
+                self.host[7] if self.host_last or counts[7] != counts[7] else counts[7]]
+        pos_zero, neg_zero, pos_max, neg_max, n_codes, nonzero_x, amax_value, scale = counts
         zeros_q, saturated = pos_zero + neg_zero, pos_max + neg_max
         nonzero_q = n_codes - zeros_q
         return {

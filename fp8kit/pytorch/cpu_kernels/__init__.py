@@ -29,7 +29,7 @@ import torch
 
 from . import pool
 
-__all__ = ["available", "reason", "switched", "cast", "cast_amax", "absmax", "widen"]
+__all__ = ["available", "reason", "switched", "cast", "cast_amax", "absmax", "widen", "count4", "count_nonzero"]
 
 ENV = "FP8KIT_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("fp8_cpu.c")
@@ -128,7 +128,7 @@ def _build() -> Path:
     raise RuntimeError(f"{compiler} failed: {errors}")
 
 
-ABI = 2  # fp8_cpu.c's fp8kit_abi(): the signatures declared below
+ABI = 3  # fp8_cpu.c's fp8kit_abi(): the signatures declared below
 
 
 def _declare(lib):
@@ -144,6 +144,12 @@ def _declare(lib):
     for src in _INPUT.values():
         fn = getattr(lib, f"fp8kit_absmax_{src}")
         fn.argtypes, fn.restype = [_P, _N, ctypes.POINTER(ctypes.c_int)], ctypes.c_uint64
+    for width in ("u8", "u16"):
+        getattr(lib, f"fp8kit_count4_{width}").argtypes = [_P, _N, _P, _P]
+        getattr(lib, f"fp8kit_count4_{width}").restype = None
+    for width in ("16", "32"):
+        getattr(lib, f"fp8kit_nonzero_{width}").argtypes = [_P, _N]
+        getattr(lib, f"fp8kit_nonzero_{width}").restype = ctypes.c_uint64
     return lib
 
 
@@ -252,3 +258,26 @@ def widen(raw: torch.Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> Opti
     top = max(_run([lambda start=start, count=count: fn(_ptr(raw, start), count, _ptr(half, start), _ptr(wide, start))
                     for start, count in _chunks(raw.numel())]))
     return out if 0 <= top < _SPECIAL[fmt] else None
+
+
+def count4(codes: torch.Tensor, targets) -> list:
+    """How many elements of the contiguous uint8 or 16-bit CPU tensor `codes` equal each of the four `targets`
+    (ints, the same width), as a list of four ints."""
+    width = "u8" if codes.element_size() == 1 else "u16"
+    fn = getattr(_state["lib"], f"fp8kit_count4_{width}")
+    c = ((ctypes.c_uint8 * 4) if width == "u8" else (ctypes.c_uint16 * 4))(*targets)
+
+    def part(start: int, count: int):
+        out = (ctypes.c_uint64 * 4)()
+        fn(_ptr(codes, start), count, ctypes.addressof(c), ctypes.addressof(out))
+        return list(out)
+
+    parts = _run([lambda start=start, count=count: part(start, count) for start, count in _chunks(codes.numel())])
+    return [sum(p[k] for p in parts) for k in range(4)]
+
+
+def count_nonzero(x: torch.Tensor) -> int:
+    """`torch.count_nonzero(x)` of a contiguous bf16, fp16 or float32 CPU tensor (NaN counts, -0 does not)."""
+    fn = getattr(_state["lib"], f"fp8kit_nonzero_{8 * x.element_size()}")
+    return sum(_run([lambda start=start, count=count: fn(_ptr(x, start), count)
+                     for start, count in _chunks(x.numel())]))

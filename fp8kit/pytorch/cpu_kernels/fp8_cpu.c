@@ -20,7 +20,7 @@
 
 /* The interface version: fp8kit/pytorch/cpu_kernels/__init__.py declares the functions for this one and refuses a
  * library of another (a signature read wrongly would write through garbage pointers). */
-int fp8kit_abi(void) { return 2; }
+int fp8kit_abi(void) { return 3; }
 
 static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -178,3 +178,46 @@ DEFINE_ABSMAX(fp8kit_absmax_f32, uint32_t, int64_t, 0x7FFFFFFFu, 0x7F800000)
 
 DEFINE_WIDEN(fp8kit_widen_e4m3, 3, 7, 0x1p-9f)
 DEFINE_WIDEN(fp8kit_widen_e5m2, 2, 15, 0x1p-16f)
+
+/* Statistics (fp8kit.pytorch.stats): how many of n codes equal each of c[0..3] (FP8 bytes, or their bf16 values'
+ * bits), added to out[0..3]; and how many elements of x are non-zero (NaN counts, -0 does not). Counted in 32-bit
+ * lanes over blocks that cannot overflow them. */
+#define COUNT_BLOCK ((size_t)1 << 30)
+#define DEFINE_COUNT4(NAME, T)                                                                                     \
+    void NAME(const T *restrict x, size_t n, const T *restrict c, uint64_t *restrict out) {                        \
+        const T c0 = c[0], c1 = c[1], c2 = c[2], c3 = c[3];                                                        \
+        for (size_t start = 0; start < n; start += COUNT_BLOCK) {                                                  \
+            size_t end = n - start < COUNT_BLOCK ? n : start + COUNT_BLOCK;                                        \
+            uint32_t k0 = 0, k1 = 0, k2 = 0, k3 = 0;                                                               \
+            for (size_t i = start; i < end; i++) {                                                                 \
+                T v = x[i];                                                                                        \
+                k0 += v == c0;                                                                                     \
+                k1 += v == c1;                                                                                     \
+                k2 += v == c2;                                                                                     \
+                k3 += v == c3;                                                                                     \
+            }                                                                                                      \
+            out[0] += k0;                                                                                          \
+            out[1] += k1;                                                                                          \
+            out[2] += k2;                                                                                          \
+            out[3] += k3;                                                                                          \
+        }                                                                                                          \
+    }
+
+DEFINE_COUNT4(fp8kit_count4_u8, uint8_t)
+DEFINE_COUNT4(fp8kit_count4_u16, uint16_t)
+
+#define DEFINE_NONZERO(NAME, T, ABS)                                                                               \
+    uint64_t NAME(const T *restrict x, size_t n) {                                                                 \
+        uint64_t total = 0;                                                                                        \
+        for (size_t start = 0; start < n; start += COUNT_BLOCK) {                                                  \
+            size_t end = n - start < COUNT_BLOCK ? n : start + COUNT_BLOCK;                                        \
+            uint32_t k = 0;                                                                                        \
+            for (size_t i = start; i < end; i++)                                                                   \
+                k += (x[i] & (ABS)) != 0;                                                                          \
+            total += k;                                                                                            \
+        }                                                                                                          \
+        return total;                                                                                              \
+    }
+
+DEFINE_NONZERO(fp8kit_nonzero_16, uint16_t, 0x7FFFu)
+DEFINE_NONZERO(fp8kit_nonzero_32, uint32_t, 0x7FFFFFFFu)
