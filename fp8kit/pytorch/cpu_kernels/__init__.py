@@ -22,6 +22,7 @@ import shutil
 import struct
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Tuple
 
@@ -71,9 +72,17 @@ def _library():
         else:
             try:
                 _state["lib"] = _declare(ctypes.CDLL(str(_build())))
+            except _NoCompiler as error:  # expected on machines without one: documented, no warning
+                _state["reason"] = str(error)
             except (OSError, RuntimeError, subprocess.SubprocessError) as error:
                 _state["reason"] = f"the CPU kernels could not be built or loaded: {error}"
+                warnings.warn(f"fp8kit: {_state['reason']}; the CPU casts run as torch operations instead (the same "
+                              f"results, slower). {ENV}=0 turns the kernels off.", RuntimeWarning, stacklevel=2)
     return _state["lib"]
+
+
+class _NoCompiler(RuntimeError):
+    pass
 
 
 def _cpu_flags() -> str:
@@ -97,7 +106,7 @@ def _cache_dir() -> Path:
 def _build() -> Path:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if not compiler:
-        raise RuntimeError("no C compiler found (set CC, or install cc)")
+        raise _NoCompiler("no C compiler found (set CC, or install cc)")
     source = SOURCE.read_bytes()
     key = hashlib.sha256(b"\0".join([source, compiler.encode(), " ".join(FLAGS).encode(),
                                      platform.machine().encode(), _cpu_flags().encode()])).hexdigest()[:16]
