@@ -60,8 +60,9 @@ def recycle(*owners) -> None:
     nothing else refers to for `empty`. The storages stay usable: a later `values()` widens again."""
     if torch.compiler.is_compiling():
         return
-    # what `_references` gives for an object held by one local name of this frame, measured here and now: the
-    # interpreter, and tools hooked into frame evaluation (torch.compile's leaves one installed), may hold more
+    # what `_references` gives for an object held by one local name of this frame, measured here and now: after
+    # torch.compile has run in the process, a local shows one more reference (measured in the suite), so a
+    # constant would keep nothing
     probe = object()
     baseline = _references(probe)
     for owner in owners:
