@@ -22,6 +22,7 @@ from fp8kit.pytorch.tensor.deferred import DeferredBytesStorage
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
 import reference as ref
+from kernel_steps import threads, train_steps
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.reason()}")
 
@@ -145,7 +146,7 @@ def test_amax_matches_reference(dtype):
         elif special is not None:
             x[rng.integers(0, 5000, size=3)] = special
         t = torch.from_numpy(x).to(dtype)
-        assert t.numel() >= host.NATIVE_AMAX_MIN_NUMEL
+        assert t.numel() >= cpu_kernels.MIN_NUMEL
         a, nan_free = host.amax_nan(t)
         assert np.float32(a) == ref.amax(t.float().numpy()), special
         assert nan_free == (not np.isnan(x).any())
@@ -153,31 +154,15 @@ def test_amax_matches_reference(dtype):
 
 @pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), Float8CurrentScaling()],
                          ids=["delayed", "current"])
-@pytest.mark.parametrize("threads", [1, 2])
-def test_linear_with_and_without_kernels_bit_identical(recipe, threads):
+@pytest.mark.parametrize("n", [1, 2])
+def test_linear_with_and_without_kernels_bit_identical(recipe, n):
     """Linear training steps give the same outputs, gradients, histories and scales with the kernels as without
     (the table cast with one thread, torch's conversion with two)."""
-    def run(on):
-        torch.manual_seed(0)
-        lin = te.Linear(512, 384, params_dtype=torch.bfloat16)
-        g = torch.Generator().manual_seed(1)
-        out = []
-        with cpu_kernels.switched(on):
-            for _ in range(3):
-                x = torch.randn(384, 512, generator=g).bfloat16().requires_grad_()
-                with te.autocast(recipe=recipe):
-                    y = lin(x)
-                y.float().pow(2).sum().backward()
-                out += [y.detach(), x.grad]
-        state = [v for v in lin.state_dict().values() if isinstance(v, torch.Tensor)]
-        return out + [lin.weight.grad, lin.bias.grad] + state
+    def make():
+        return te.Linear(512, 384, params_dtype=torch.bfloat16)
 
-    old = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got, want = run(True), run(False)
-    finally:
-        torch.set_num_threads(old)
+    with threads(n):
+        got, want = train_steps(make, recipe, True, 384, 512), train_steps(make, recipe, False, 384, 512)
     assert len(got) == len(want)
     for a, b in zip(got, want):
         assert torch.equal(a, b)
@@ -264,24 +249,20 @@ def test_table_path_still_used_without_kernels(one_thread, monkeypatch):
     assert calls == [1]
 
 
-@pytest.mark.parametrize("threads", [2, 3])
-def test_split_across_threads_equals_one_thread(threads):
+@pytest.mark.parametrize("count", [2, 3])
+def test_split_across_threads_equals_one_thread(count):
     """With several torch threads a large tensor is cast, reduced and widened in chunks on a thread pool: the same
     bytes, values, amax and NaN flag as one thread and the reference (a NaN and the largest value in the last
     chunk)."""
     x = (torch.randn((1 << 19) + 77) * 7).bfloat16()
     x[-5], x[-9] = float("nan"), -1000.0
-    old = torch.get_num_threads()
     results = []
-    try:
-        for n in (1, threads):
-            torch.set_num_threads(n)
+    for n in (1, count):
+        with threads(n):
             assert len(cpu_kernels._chunks(x.numel())) == n
             q = cast_host(x, 0.25, torch.float8_e4m3fn, math.inf)
             results.append((q._data.view(torch.uint8), q._values.view(torch.int16), host.amax_nan(x),
                             cpu_kernels.widen(q._data.view(torch.uint8)[:-77], torch.float8_e4m3fn, torch.float32)))
-    finally:
-        torch.set_num_threads(old)
     (d1, v1, a1, w1), (dn, vn, an, wn) = results
     assert torch.equal(d1, dn) and torch.equal(v1, vn) and a1 == an == (1000.0, False) and torch.equal(w1, wn)
     np.testing.assert_array_equal(dn.numpy(), _want(x, "e4m3", 0.25))
@@ -302,10 +283,8 @@ def test_delayed_cast_records_the_amax_of_the_same_pass(dtype):
     """Delayed scaling's cast with its amax in one pass (`cast_host_recording`): the bytes and values of `cast_host`
     and the amax and NaN flag of the reference, with NaN, infinities and all-NaN inputs, in chunks on two threads."""
     rng = np.random.default_rng(5)
-    old = torch.get_num_threads()
-    try:
-        for threads, special in [(1, None), (1, "nan"), (2, "inf"), (2, "nan"), (1, "all-nan"), (1, "zeros")]:
-            torch.set_num_threads(threads)
+    for n, special in [(1, None), (1, "nan"), (2, "inf"), (2, "nan"), (1, "all-nan"), (1, "zeros")]:
+        with threads(n):
             x = rng.standard_normal((1 << 18) + 3) * 9
             if special == "all-nan":
                 x[:] = np.nan
@@ -321,8 +300,6 @@ def test_delayed_cast_records_the_amax_of_the_same_pass(dtype):
             assert torch.equal(q._data, want._data) and (q._values is None) == (want._values is None)
             if q._values is not None:
                 assert torch.equal(q._values.view(torch.int16), want._values.view(torch.int16))
-    finally:
-        torch.set_num_threads(old)
     with cpu_kernels.switched(False):
         assert cast_module.cast_host_recording(t, 3.5, torch.float8_e4m3fn) is None
 

@@ -10,6 +10,8 @@ from fp8kit.pytorch import cpu_kernels
 from fp8kit.pytorch.cpu_kernels import pool
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
+from kernel_steps import train_steps
+
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason=f"no CPU kernels: {cpu_kernels.reason()}")
 
 SHAPE = (1024, 1024)  # 2 MiB as bf16: above pool.MIN_BYTES
@@ -102,23 +104,11 @@ def test_training_with_reuse_equals_training_without_kernels(recipe, monkeypatch
 
     monkeypatch.setattr(pool, "empty", spy)
 
-    def run(on):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(te.Linear(512, 512, params_dtype=torch.bfloat16),
-                                    te.Linear(512, 512, params_dtype=torch.bfloat16))
-        g = torch.Generator().manual_seed(1)
-        out = []
-        with cpu_kernels.switched(on):
-            for _ in range(3):
-                x = torch.randn(1024, 512, generator=g).bfloat16().requires_grad_()
-                with te.autocast(recipe=recipe):
-                    y = model(x)
-                y.float().pow(2).sum().backward()
-                out += [y.detach(), x.grad]
-        state = [v for v in model.state_dict().values() if isinstance(v, torch.Tensor)]
-        return out + [p.grad for p in model.parameters()] + state
+    def make():
+        return torch.nn.Sequential(te.Linear(512, 512, params_dtype=torch.bfloat16),
+                                   te.Linear(512, 512, params_dtype=torch.bfloat16))
 
-    got, want = run(True), run(False)
+    got, want = train_steps(make, recipe, True, 1024, 512), train_steps(make, recipe, False, 1024, 512)
     assert sum(reused) >= 6  # each step after the first: x's values in the forward, dy's and x's in the backward
     assert len(got) == len(want)
     for a, b in zip(got, want):

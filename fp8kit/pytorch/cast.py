@@ -212,7 +212,7 @@ def cast_host(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, amax_value:
     make the bytes only when first read (`tensor.deferred`; the backward's grad_output, which the GEMMs read as
     values only); x must not be modified in place until then. `values=False`: no GEMM follows (the quantize API), so
     the table cast gathers the bytes only."""
-    if x.dtype in _NATIVE_DTYPES and x.numel() >= NATIVE_MIN_NUMEL and x.is_contiguous() and cpu_kernels.available():
+    if cpu_kernels.takes(x):
         done = _cast_native(x, scale, fp8_dtype, nan_free, defer_bytes, values)
         if done is not None:
             return done[0]
@@ -312,10 +312,6 @@ def _deferred_cast_by_table(x: torch.Tensor, scale: float, fp8_dtype: torch.dtyp
 # With fp8kit's CPU kernels (fp8kit.pytorch.cpu_kernels: a C loop compiled on first use), one vectorised pass reads x
 # and writes the bytes and, for a bf16 x, the values widened to bf16: the same bytes and values as the table and
 # torch paths (tests/test_cpu_kernels.py, every bf16 and fp16 pattern), about 3x faster than the table's gather.
-NATIVE_MIN_NUMEL = 1 << 10
-_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def _cast_native(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, nan_free: bool, defer_bytes: bool,
                  values: bool, track: bool = False):
     """`cast_host` by the CPU kernels for a contiguous x: (the storage, with `track` x's (amax, NaN-free) from the
@@ -357,7 +353,7 @@ def cast_host_recording(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype,
                         defer_bytes: bool = False) -> Optional[Tuple[Float8TensorStorage, float, bool]]:
     """Delayed scaling's host-path cast with the amax it records, in one pass where the CPU kernels take x: (the
     storage `cast_host` makes, `host.amax_nan(x)`), or None (then take the amax and `cast_host` apart)."""
-    if x.dtype in _NATIVE_DTYPES and x.numel() >= NATIVE_MIN_NUMEL and x.is_contiguous() and cpu_kernels.available():
+    if cpu_kernels.takes(x):
         done = _cast_native(x, scale, fp8_dtype, False, defer_bytes, True, track=True)
         if done is not None:
             q, (a, nan_free) = done

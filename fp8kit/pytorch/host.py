@@ -49,17 +49,12 @@ def amax(x: torch.Tensor) -> float:
     return amax_nan(x)[0]
 
 
-NATIVE_AMAX_MIN_NUMEL = 1 << 10  # with fp8kit's CPU kernels (fp8kit.pytorch.cpu_kernels), from this size on
-_NATIVE_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def amax_nan(x: torch.Tensor) -> Tuple[float, bool]:
     """(`amax(x)`, whether x holds no NaN), from one `aminmax` pass (NaN propagates through it) unless x holds a NaN,
     which takes a second, NaN-ignoring pass."""
     if x.numel() == 0:
         return 0.0, True
-    if x.numel() >= NATIVE_AMAX_MIN_NUMEL and x.dtype in _NATIVE_DTYPES and x.device.type == "cpu" \
-            and x.is_contiguous() and cpu_kernels.available():
+    if cpu_kernels.takes(x):
         return cpu_kernels.absmax(x)  # one pass, NaN-ignoring, exact (on the bits)
     lo, hi = torch.aminmax(x)
     a = max(float(hi), -float(lo))

@@ -57,8 +57,6 @@ _DTYPE_NAME = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 # The same codes' values as bf16 bits (the CPU GEMM operand a cast may hold instead of its bytes): +0, -0, +max, -max
 _EDGE_VALUE_BITS = {name: tuple(struct.unpack("<I", struct.pack("<f", v))[0] >> 16 for v in (0.0, -0.0, m, -m))
                     for name, m in (("e4m3", 448.0), ("e5m2", 57344.0))}
-_HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-HOST_COUNT_MIN_NUMEL = 1 << 10  # from this size on, the CPU kernels count (fp8kit.pytorch.cpu_kernels)
 
 
 class RoleStats:
@@ -102,9 +100,7 @@ class RoleStats:
         fmt = _DTYPE_NAME.get(q.fp8_dtype)
         values = q._values
         by_values = values is not None and values.dtype == torch.bfloat16 and values.is_contiguous()
-        if not (fmt is not None and x.dtype in _HOST_DTYPES and x.device.type == "cpu" and x.is_contiguous()
-                and x.numel() >= HOST_COUNT_MIN_NUMEL and cpu_kernels.available()
-                and (by_values or q._data.is_contiguous())):
+        if not (fmt is not None and cpu_kernels.takes(x) and (by_values or q._data.is_contiguous())):
             self.record(x, q, torch.scalar_tensor(scale, dtype=torch.float32),
                         torch.scalar_tensor(amax_value, dtype=torch.float32))
             return

@@ -30,7 +30,8 @@ import torch
 
 from . import pool
 
-__all__ = ["available", "reason", "switched", "cast", "cast_amax", "absmax", "widen", "count4", "count_nonzero"]
+__all__ = ["available", "takes", "reason", "switched", "cast", "cast_amax", "absmax", "widen", "count4",
+           "count_nonzero"]
 
 ENV = "FP8KIT_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("fp8_cpu.c")
@@ -42,6 +43,16 @@ _state: dict = {"lib": None, "tried": False, "reason": "", "on": True}
 _FORMAT = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 _INPUT = {torch.bfloat16: "bf16", torch.float16: "f16", torch.float32: "f32"}
 _P, _N, _F = ctypes.c_void_p, ctypes.c_size_t, ctypes.c_float
+
+
+MIN_NUMEL = 1 << 10  # below this a call costs about what torch's few operations on the tensor cost
+
+
+def takes(x: torch.Tensor) -> bool:
+    """Whether the kernels take `x`: a contiguous bf16, fp16 or float32 CPU tensor of at least MIN_NUMEL elements,
+    the kernels available. The one test the host path's casts, amaxes and statistics make."""
+    return x.dtype in _INPUT and x.numel() >= MIN_NUMEL and x.device.type == "cpu" and x.is_contiguous() \
+        and available()
 
 
 def available() -> bool:
