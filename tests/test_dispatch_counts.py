@@ -30,19 +30,20 @@ RECIPES = {"current": Float8CurrentScaling, "delayed": DelayedScaling}
 # (docs/performance.md). And each cast makes NaN products positive (`block_cast.positive_nan_`: one nan_to_num_),
 # which a GPU's multiply does by itself: plus 3 per Linear call (x and W forward, dy backward). On accelerators
 # (tests/test_cuda_path.py) none of these applies.
-# The backward of a delayed-scaling module includes the step's backward update (one module ran).
+# The backward of a delayed-scaling module includes the step's backward update (one module ran), in which CPU tensors
+# convert the used-column mask into a kept buffer (no temporary allocation; CUDA converts inside the kernel): plus 1.
 CEILINGS = {
     ("Linear", "current"): (35, 32),
-    ("Linear", "delayed"): (29, 43),
+    ("Linear", "delayed"): (29, 44),
     ("LayerNormLinear", "current"): (36, 35),
-    ("LayerNormLinear", "delayed"): (30, 46),
+    ("LayerNormLinear", "delayed"): (30, 47),
     ("LayerNormMLP", "current"): (72, 65),
-    ("LayerNormMLP", "delayed"): (60, 73),
+    ("LayerNormMLP", "delayed"): (60, 74),
     ("TransformerLayer", "current"): (172, 159),
-    ("TransformerLayer", "delayed"): (148, 161),
+    ("TransformerLayer", "delayed"): (148, 162),
 }
-EXIT_CEILING = 15  # ops of one batched forward update (one key), whatever the number of modules (35 before the
-# in-place update: docs/performance.md)
+EXIT_CEILING = 16  # ops of one batched forward update (one key), whatever the number of modules (35 before the
+# in-place update, 15 before the CPU counters' kept conversion buffer: docs/performance.md)
 
 
 def _call_counts(kind: str, recipe):

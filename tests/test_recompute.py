@@ -227,3 +227,71 @@ def test_recompute_queries_as_in_transformer_engine(use_reentrant):
         te.checkpoint(lambda v: (observed.append(is_fp8_activation_recompute_enabled()), layer(v))[1], inp,
                       use_reentrant=use_reentrant).sum().backward()
     assert observed[-2:] == [False, False]  # no FP8 autocast: not an FP8 recompute region
+
+
+def _block_of(module):
+    return module.fp8_meta["scaling_fwd"]._block
+
+
+def test_scale_snapshot_buffers_are_reused_only_when_nothing_refers_to_them():
+    """The update copies the scales a recompute needs into a buffer an earlier step's records left, so that a
+    steady-state exit allocates nothing; a buffer that a view or another Python name still refers to is never
+    reused (its values stay)."""
+    layers = torch.nn.Sequential(te.Linear(16, 16), te.Linear(16, 16))
+    x = torch.randn(8, 16, requires_grad=True)
+    recipe = DelayedScaling(amax_history_len=4)
+
+    def step(scale_x=1.0):
+        with te.autocast(recipe=recipe):
+            y = layers(x * scale_x)
+        owner = layers[0]._fp8_records._records[-1].scales.owner  # this step's BlockScales
+        y.sum().backward()
+        return owner
+
+    with host.tensor_path():
+        step()
+        addresses = []
+        for i in range(4):
+            addresses.append(step(1.0 + i).saved.data_ptr())  # saved by the exit of this step
+        assert len(set(addresses)) <= 2, "no snapshot buffer was reused"
+        for j, hold in enumerate(("view", "name")):
+            owner = step(5.0)
+            held = owner.saved[0] if hold == "view" else owner.saved
+            value = held.clone()
+            del owner
+            for i in range(3):
+                step(7.0 * (j + 1) + i)
+            assert torch.equal(held, value), hold
+            assert layers[0].fp8_meta["scaling_fwd"].scale[0] != value.reshape(-1)[0], "the scales did not move"
+    assert _block_of(layers[0]) is _block_of(layers[1])
+
+
+@pytest.mark.parametrize("path_name", ["host", "tensor"])
+def test_recompute_with_two_steps_in_flight(path_name):
+    """Two microbatches' forwards, each its own autocast step, before either backward (first in, first out, as a
+    pipeline schedule runs them and as Transformer Engine's recompute queue assumes): each recompute casts with its
+    own step's scales (the second step's exit changed them), so the gradients equal those without checkpointing."""
+    recipe = DelayedScaling(amax_history_len=2, amax_compute_algo="most_recent")
+
+    def run(ckpt):
+        torch.manual_seed(0)
+        block = Block(16)
+        grads = []
+        with contextlib.nullcontext() if path_name == "host" else host.tensor_path():
+            for s in range(3):
+                xs = [(torch.randn(4, 16) * 2.0 ** (2 * s + i)).requires_grad_() for i in range(2)]
+                ys = []
+                for x in xs:
+                    with te.autocast(recipe=recipe):
+                        ys.append(ckpt(block, x))
+                for y in ys:
+                    y.pow(2).sum().backward()
+                grads += [x.grad.clone() for x in xs] + [p.grad.clone() for p in block.parameters()]
+                block.zero_grad()
+        return grads
+
+    want = run(lambda f, x: f(x))
+    got = run(lambda f, x: te.checkpoint(f, x, use_reentrant=False))
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)

@@ -331,7 +331,8 @@ class UpdateBuffers:
     the scale `[N]`, a work buffer `[L, N]` (the rolled history, then the amax operand) with its views, and `[N]`
     buffers for the used mask, the counters per column, the amax, the mask of changing scales and the new scales."""
 
-    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "used", "bumped",
+    __slots__ = ("history", "scale", "last", "tail", "parts", "work", "work_tail", "work_last", "used", "used_int",
+                 "bumped",
                  "amax", "ok", "quotient", "zero", "_numerator")
 
     def __init__(self, history: torch.Tensor, scale: torch.Tensor):
@@ -340,6 +341,7 @@ class UpdateBuffers:
         self.parts = (self.tail, history[:1])
         self.work = self.work_tail = self.work_last = None  # made at the first `update_in_place` (not by kernels)
         self.used = torch.empty_like(scale, dtype=torch.bool)
+        self.used_int = torch.empty_like(scale, dtype=torch.int64)  # `used` as counter increments (CPU tensors)
         self.bumped = torch.empty_like(scale, dtype=torch.int64)
         self.amax, self.ok = torch.empty_like(scale), torch.empty_like(scale, dtype=torch.bool)
         quotient = torch.empty_like(scale)
@@ -372,7 +374,12 @@ def advance_counters(counts: torch.Tensor, owners: torch.Tensor, work: UpdateBuf
     interval 1."""
     bumped = torch.index_select(counts, 0, owners, out=work.bumped)
     recompute = bumped.remainder(interval) == 0 if interval > 1 else None
-    counts.scatter_reduce_(0, owners, bumped.add_(work.used), "amax")
+    used = work.used
+    if used.device.type == "cpu":
+        # a CPU tensor iterator converts mixed inputs into a temporary first (CUDA converts inside the kernel): into a
+        # kept buffer instead, so that the update allocates nothing right after the forward pass (docs/performance.md)
+        used = work.used_int.copy_(used)
+    counts.scatter_reduce_(0, owners, bumped.add_(used), "amax")
     return recompute
 
 

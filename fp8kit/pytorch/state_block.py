@@ -20,6 +20,7 @@ changed them: a block hands out one `BlockScales` per period between updates, an
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import List, Optional, Sequence
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from . import host, kernels
+from .cpu_kernels.pool import unshared
 from .state import ScalingState, UpdateBuffers, advance_counters, update_in_place
 from .state import update_states as update_each
 
@@ -45,6 +47,13 @@ class BlockScales:
 
     def of(self, state_offset: int) -> "StateScales":
         return StateScales(self, state_offset)
+
+    def __del__(self):
+        # the last record of this period is gone: the block may copy a later period's scales into the same buffer
+        saved = self.saved
+        if saved is not None:
+            self.saved = None
+            self.block.spare_snapshot(saved)
 
 
 class StateScales:
@@ -76,6 +85,7 @@ class SlotBlock:
         self._numpy = None
         self._work: Optional[tuple] = None  # (UpdateBuffers, counters, owners) of the used columns, made once
         self._scales: Optional[BlockScales] = None
+        self._spare: List[torch.Tensor] = []  # snapshot buffers no record refers to any more (see `freeze_snapshot`)
         self._left: set = set()  # member indices whose state left the block
         self._allocate(_FIRST_COLUMNS, 16)
 
@@ -196,12 +206,32 @@ class SlotBlock:
         return found
 
     def freeze_snapshot(self) -> None:
-        """Before the scales change in place: records made since the last update keep the current values."""
+        """Before the scales change in place: records made since the last update keep the current values, copied
+        into a buffer an earlier period's records left (their `BlockScales` gone), so that a steady-state update
+        allocates nothing (an allocation right after a forward pass pays the C allocator's deferred work on the
+        forward's freed temporaries: about 1 ms after 1,000 modules, docs/performance.md), else into a new one."""
         found = self._scales
         if found is not None:
             work = self._work
-            found.saved = (work[0].scale if work is not None else self.scale[:self.columns]).clone()
+            scale = work[0].scale if work is not None else self.scale[:self.columns]
+            spare = self._spare
+            while spare:
+                buffer = spare.pop()
+                if buffer.shape == scale.shape and buffer.device == scale.device \
+                        and buffer.is_inference() == torch.is_inference_mode_enabled():
+                    found.saved = buffer.copy_(scale)
+                    break
+            else:
+                found.saved = scale.clone()
             self._scales = None
+
+    def spare_snapshot(self, buffer: torch.Tensor) -> None:
+        """Keep a snapshot buffer of a `BlockScales` that died (its caller's one reference handed over) if nothing
+        else refers to it: no other Python reference, no view (a recompute's quantizer holds one while it runs).
+        At most two."""
+        probe = object()  # one local reference, measured in this frame (see cpu_kernels.pool.recycle)
+        if len(self._spare) < 2 and sys.getrefcount(buffer) <= sys.getrefcount(probe) + 1 and unshared(buffer):
+            self._spare.append(buffer)
 
     # ---- the update ----
 

@@ -17,7 +17,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-__all__ = ["empty", "recycle", "clear"]
+__all__ = ["empty", "recycle", "clear", "unshared"]
 
 MIN_BYTES = 1 << 20  # smaller blocks come from the allocator's free lists without page faults
 MAX_PER_SHAPE = 2
@@ -48,9 +48,9 @@ def _references(obj) -> int:
     return sys.getrefcount(obj)
 
 
-def _unshared(t: torch.Tensor) -> bool:
+def unshared(t: torch.Tensor) -> bool:
     """Whether nothing outside Python holds `t`: no C++ holder of its TensorImpl (autograd, a view's base) and no
-    other tensor or array on its storage."""
+    other tensor or array on its storage (any device)."""
     return (t._use_count() == 1 and t._base is None
             and torch._C._storage_Use_Count(t.untyped_storage()._cdata) == 2)
 
@@ -70,7 +70,7 @@ def recycle(*owners) -> None:
         if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.nbytes < MIN_BYTES or not t.is_contiguous():
             continue
         owner._values = None
-        if _references(t) > baseline or not _unshared(t):
+        if _references(t) > baseline or not unshared(t):
             continue
         key = (tuple(t.shape), t.dtype, t.is_inference())
         with _lock:
