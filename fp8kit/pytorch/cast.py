@@ -133,11 +133,11 @@ def current_scale(
 
 def current_scale_1d(x: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.0,
                      power_2: bool = False, group=None) -> torch.Tensor:
-    """`current_scale` on the tensor path as a float32 `[1]` tensor (what `cast_1d` takes), in fewer operations,
-    with the same values: `fp8_max + 0 * a / a` (one `addcdiv` on a kept `[1]` constant) is fp8_max where the amax
-    is finite and > 0 and NaN where it is 0 or inf (the amax is never NaN here), so dividing it by the amax gives
-    the rule's quotient, rounded once, or NaN exactly where the rule keeps 1."""
-    a = amax(x)
+    """`current_scale` on the eager tensor path (not traced) as a float32 `[1]` tensor (what `cast_1d` takes), in
+    fewer operations, with the same values: `fp8_max + 0 * a / a` (one `addcdiv` on a kept `[1]` constant) is fp8_max
+    where the amax is finite and > 0 and NaN where it is 0 or inf (the amax is never NaN here), so dividing it by the
+    amax gives the rule's quotient, rounded once, or NaN exactly where the rule keeps 1."""
+    a = _device_amax(x) if x.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
     if group is not None:
         import torch.distributed as dist
 
@@ -146,10 +146,7 @@ def current_scale_1d(x: torch.Tensor, fp8_max: float, amax_epsilon: float = 0.0,
     if amax_epsilon > 0:
         a = torch.clamp_min(a, amax_epsilon)
     scale = torch.div(torch.addcdiv(_fp8_max_1d(fp8_max, a.device), a, a, value=0), a)
-    if torch.compiler.is_compiling():  # literals, not module globals (see fp8_max_of)
-        scale.clamp_(2.0 ** -63, float(torch.finfo(torch.float32).max))
-    else:
-        scale.clamp_(SCALE_MIN, FLT_MAX)
+    scale.clamp_(SCALE_MIN, FLT_MAX)
     scale.nan_to_num_(nan=1.0)
     return round_down_pow2(scale) if power_2 else scale
 

@@ -20,6 +20,7 @@ Nothing here reads a device value on the host.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any, Callable, Optional
 
@@ -209,11 +210,14 @@ def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dt
     """The CPU GEMM: the FP8 values widened exactly, multiplied with float32 accumulation, scaled by
     `alpha = float32(a.scale_inv * b.scale_inv)` (read on the host: CPU tensors only) and rounded once; one formula
     on every CPU path (host floats or tensors, eager or compiled)."""
-    a_inv = a.scale_inv_value if a.scale_inv_value is not None else _cpu_value(a.scale_inv)
-    b_inv = b.scale_inv_value if b.scale_inv_value is not None else _cpu_value(b.scale_inv)
+    a_inv = a.scale_inv_value
+    if a_inv is None:
+        a_inv = _cpu_value(a.scale_inv)
+    b_inv = b.scale_inv_value
+    if b_inv is None:
+        b_inv = _cpu_value(b.scale_inv)
     alpha = host.f32(a_inv * b_inv)  # the float32 product (exact in float64, rounded once)
-    m, k = a.shape
-    if out_dtype == torch.bfloat16 and alpha != float("inf") and m * k * b.shape[1] >= _BF16_GEMM_MIN_MACS:
+    if out_dtype == torch.bfloat16 and alpha != _INF and math.prod(a.shape) * b.shape[1] >= _BF16_GEMM_MIN_MACS:
         # FP8 values are exact in bf16; addmm applies alpha to the float32 accumulator and rounds once to bf16,
         # which is what the float32 path below gives, at the speed of a bf16 GEMM.
         base = bias if bias is not None else _ZERO_BF16
@@ -228,7 +232,7 @@ def emulated(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.dt
 def _cpu_value(t: torch.Tensor) -> float:
     """The one element of a CPU tensor as a Python float, read from memory (`tolist` dispatches no operation)."""
     value = t.tolist()
-    while isinstance(value, list):
+    while type(value) is list:
         value = value[0]
     return value
 
@@ -250,5 +254,6 @@ def _(a_data, a_scale_inv, b_data, b_scale_inv, bias, out_dtype):
 _BF16_GEMM_MIN_MACS = 1 << 24
 _ZERO_BF16 = torch.zeros((), dtype=torch.bfloat16)
 _ZERO_F32 = torch.zeros((), dtype=torch.float32)
+_INF = float("inf")
 
 register_gemm_rule(Float8TensorStorage, per_tensor_gemm)  # Float8Tensor (a subclass) included

@@ -156,7 +156,7 @@ class CurrentQuantizer:
                 self.stats.record(x, q, scale)
             return q
         if self.stats is None and x.dim() and not torch.compiler.is_compiling():
-            scale = current_scale_1d(x, fp8_max_of(self.fp8_dtype), self.amax_epsilon, self.power_2, self.group)
+            scale = current_scale_1d(x, FP8_MAX[self.fp8_dtype], self.amax_epsilon, self.power_2, self.group)
             q = cast_1d(x, scale, self.fp8_dtype)
             return with_transpose(q) if transpose else q
         scale = current_scale(x, fp8_max_of(self.fp8_dtype), self.amax_epsilon, self.power_2, self.group)

@@ -60,15 +60,17 @@ def recycle(*owners) -> None:
     nothing else refers to for `empty`. The storages stay usable: a later `values()` widens again."""
     if torch.compiler.is_compiling():
         return
-    # what `_references` gives for an object held by one local name of this frame, measured here and now: after
-    # torch.compile has run in the process, a local shows one more reference (measured in the suite), so a
-    # constant would keep nothing
-    probe = object()
-    baseline = _references(probe)
+    probe = baseline = None
     for owner in owners:
         t = None if isinstance(owner, torch.Tensor) else getattr(owner, "_values", None)
-        if not isinstance(t, torch.Tensor) or t.device.type != "cpu" or t.nbytes < MIN_BYTES or not t.is_contiguous():
+        if not isinstance(t, torch.Tensor) or t.nbytes < MIN_BYTES or t.device.type != "cpu" or not t.is_contiguous():
             continue
+        if probe is None:
+            # what `_references` gives for an object held by one local name of this frame, measured here and now:
+            # after torch.compile has run in the process, a local shows one more reference (measured in the suite),
+            # so a constant would keep nothing
+            probe = object()
+            baseline = _references(probe)
         owner._values = None
         if _references(t) > baseline or not unshared(t):
             continue

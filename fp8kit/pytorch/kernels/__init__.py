@@ -88,10 +88,13 @@ def on_for(device) -> bool:
     devices only) and `available(device)`; never while torch.compile traces (the compiler fuses the torch path's
     operations itself, and a launch's device context is not traceable)."""
     setting = _enabled_now[0]
-    if setting is False or torch.compiler.is_compiling():
+    if setting is False:
         return False
-    device = torch.device(device)
-    return (setting is True or device.type == "cuda") and available(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
+    if setting is not True and device.type != "cuda":  # the default: CUDA tensors only
+        return False
+    return not torch.compiler.is_compiling() and available(device)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,7 @@ decides (`FP8Call`: FP8 or not, quantizers, backward bookkeeping, activation rec
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence, Tuple
+from typing import Iterable, Optional, Sequence, Tuple
 
 import torch
 
@@ -182,22 +182,29 @@ class FP8StateMixin:
         modules split over a tensor-parallel group override this."""
         return None, None, None
 
-    def begin_fp8_call(self, tensors: Sequence[Optional[torch.Tensor]], device: torch.device) -> Optional[FP8Call]:
-        """Decide how this forward call runs. `tensors`: the call's inputs and parameters (None entries allowed),
-        whose `requires_grad` says whether a backward will follow. Returns None to run in high precision."""
+    def begin_fp8_call(self, tensors: Sequence[Optional[torch.Tensor]], device: torch.device,
+                       more: Iterable[Optional[torch.Tensor]] = ()) -> Optional[FP8Call]:
+        """Decide how this forward call runs. `tensors` and `more`: the call's inputs and parameters (None entries
+        allowed), whose `requires_grad` says whether a backward will follow (`more` is read only when no tensor of
+        `tensors` requires grad). Returns None to run in high precision."""
         frame = current_frame()
         if in_backward() or (frame is not None and frame.replay):
             return self._replay_call(frame, device)
         if frame is None or not (frame.enabled or frame.records_amax):
             return None
         if compiling() or frame.graph:
-            return self._compiled_call(frame, tensors, device)
+            return self._compiled_call(frame, (*tensors, *more), device)
         grad = torch.is_grad_enabled()
         needs_backward = False
         for t in tensors:  # a loop, not any(<generator>): this runs every call
             if t is not None and t.requires_grad:
                 needs_backward = True
                 break
+        else:
+            for t in more:
+                if t is not None and t.requires_grad:
+                    needs_backward = True
+                    break
         # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
         will_recompute = not grad and needs_backward and in_reentrant_checkpoint()
         counted = frame.records_amax and needs_backward and (grad or will_recompute)

@@ -34,6 +34,14 @@ from .setup import (
 __all__ = ["LinearBase", "linear_call", "track_gemm_backwards"]
 
 
+def _parameter(module: torch.nn.Module, name: str):
+    """`getattr(module, name)` for a registered parameter, without torch.nn.Module's `__getattr__` (every call
+    reads the weight and bias); names that are not in `_parameters` now (a parametrization, a plain attribute) are
+    looked up as usual."""
+    found = module._parameters.get(name)
+    return found if found is not None else getattr(module, name)
+
+
 def linear_call(where: str, inp: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                 plan: Optional[LinearPlan], in_features: int) -> torch.Tensor:
     """`inp @ weight.T + bias` for `inp` `[..., in_features]`: the one GEMM call path of every module (Linear,
@@ -151,16 +159,18 @@ class LinearBase(FP8StateMixin):
 
     def full_weight(self) -> torch.Tensor:
         """The weight `[out_features, in_features]` (the split parameters concatenated, with autograd)."""
-        if len(self.weight_names) == 1:
-            return getattr(self, self.weight_names[0])
-        return torch.cat([getattr(self, n) for n in self.weight_names])
+        names = self.weight_names
+        if len(names) == 1:
+            return _parameter(self, names[0])
+        return torch.cat([getattr(self, n) for n in names])
 
     def full_bias(self) -> Optional[torch.Tensor]:
         if not self.use_bias:
             return None
-        if len(self.bias_names) == 1:
-            return getattr(self, self.bias_names[0])
-        return torch.cat([getattr(self, n) for n in self.bias_names])
+        names = self.bias_names
+        if len(names) == 1:
+            return _parameter(self, names[0])
+        return torch.cat([getattr(self, n) for n in names])
 
     # ---- tensor parallelism ----
 
@@ -202,7 +212,7 @@ class LinearBase(FP8StateMixin):
         applied_bias = None if self.return_bias else bias
         # the parameters too: under a reentrant checkpoint's no_grad forward, a split weight (torch.cat) and a
         # LayerNormLinear's norm output do not require grad, yet a recompute with a backward follows
-        call = self.begin_fp8_call((inp, weight, bias, *self._parameters.values()), weight.device)
+        call = self.begin_fp8_call((inp, weight, bias), weight.device, self._parameters.values())
         if call is None:
             plan = None
             if tp is not None or self.fuse_wgrad_accumulation or self.wgrad_store is not None:
@@ -222,7 +232,7 @@ class LinearBase(FP8StateMixin):
                 (tp.gathers_input and (call.fp8[0] or call.fp8[2]))
                 or (tp.gathers_grad_output and (call.fp8[1] or call.fp8[2]))):
             check_shared_scales(call.frame, tp)
-        param = getattr(self, self.weight_names[0]) if len(self.weight_names) == 1 else None
+        param = weight if len(self.weight_names) == 1 else None  # the parameter itself (`full_weight`)
         plan = gemm_plan(self, call, 0, tp, is_first_microbatch, param)
         y = linear_call(self._kind, inp, weight, bias, plan, self.in_features)
         keep_cached_weight(self, 0, plan, is_first_microbatch, call)

@@ -177,10 +177,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
         cached = self._values
         if cached is None or cached.dtype != dtype:
             source = self._transposed_of
+            data = self._data
             if source is not None and source._data is not None:  # kept on the untransposed tensor, for its next use
                 cached = self._values = source.values(dtype).t()
-            elif self._data.numel() >= WIDEN_BY_TABLE_MIN_NUMEL:  # from the uint8 bytes (no FP8-typed view)
-                cached = self._values = widen(self._data, dtype, self._codes_finite, _TORCH_OF[self._fp8_dtype])
+            elif data.numel() >= WIDEN_BY_TABLE_MIN_NUMEL:  # from the uint8 bytes (no FP8-typed view)
+                cached = self._values = widen(data, dtype, self._codes_finite, _TORCH_OF[self._fp8_dtype])
             else:
                 cached = self._values = widen(self.fp8_view(), dtype, self._codes_finite)
         return cached
@@ -325,17 +326,18 @@ def widen(data: torch.Tensor, dtype: torch.dtype, codes_finite: bool = False,
     for CPU tensors of at least WIDEN_BY_TABLE_MIN_NUMEL elements: by bits (large, bf16 or float32, no NaN/inf
     code), else by a gather from the 256 codes' values. `codes_finite`: the caller knows `data` holds no NaN or inf
     code (skips a check that reads the bytes twice)."""
-    if data.device.type != "cpu" or data.numel() < WIDEN_BY_TABLE_MIN_NUMEL or not dtype.is_floating_point \
+    numel, device = data.numel(), data.device
+    if numel < WIDEN_BY_TABLE_MIN_NUMEL or device.type != "cpu" or not dtype.is_floating_point \
             or torch.compiler.is_compiling():  # traced: no module-level table made inside a graph
         return (data if fp8_dtype is None else data.view(fp8_dtype)).to(dtype)
     raw = data if fp8_dtype is not None else data.view(torch.uint8)
     fp8_dtype = fp8_dtype or data.dtype
-    if dtype in (torch.bfloat16, torch.float32) and raw.is_contiguous() and host.active(raw.device) \
-            and cpu_kernels.available():
+    common = dtype is torch.bfloat16 or dtype is torch.float32
+    if common and host.active(device) and raw.is_contiguous() and cpu_kernels.available():
         wide = cpu_kernels.widen(raw, fp8_dtype, dtype)  # one vectorised pass; None for NaN/inf codes
         if wide is not None:
             return wide
-    if raw.numel() >= WIDEN_BY_BITS_MIN_NUMEL and dtype in (torch.bfloat16, torch.float32):
+    if numel >= WIDEN_BY_BITS_MIN_NUMEL and common:
         shift, mask, multiplier, special = _BY_BITS[fp8_dtype]
         # the multiplication needs subnormal arithmetic: not under torch.set_flush_denormal(True)
         if (codes_finite or int((raw & 0x7F).max()) < special) and float(_SUBNORMAL * 1.0) != 0:
