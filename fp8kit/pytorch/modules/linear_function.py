@@ -108,8 +108,14 @@ def gather_values(quantizer) -> bool:
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], plan: LinearPlan) -> torch.Tensor:
-    """`x @ weight.T + bias` for x `[M, K]` with the GEMMs `plan` asks for (see the module docstring)."""
-    return _LinearFunction.apply(x, weight, bias, plan)
+    """`x @ weight.T + bias` for x `[M, K]` with the GEMMs `plan` asks for (see the module docstring).
+
+    Eager, with no functorch transform active, the Function is applied as `torch.autograd.Function.apply` does in
+    that case (its operands' dead functorch wrappers unwrapped, then the C++ apply), without its generic argument
+    handling (every GEMM call pays it); traced or under a transform, through `apply` itself."""
+    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+        return _LinearFunction.apply(x, weight, bias, plan)
+    return _APPLY(_UNWRAP(x), _UNWRAP(weight), None if bias is None else _UNWRAP(bias), plan)
 
 
 def _weight_operand(plan: LinearPlan, rebuild, saved: tuple, inv_value):
@@ -289,6 +295,10 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
         param.grad_added_to_main_grad = True
         return torch.zeros_like(param)
     return None
+
+
+_APPLY = super(torch.autograd.Function, _LinearFunction).apply  # what Function.apply ends in
+_UNWRAP = torch._C._functorch.unwrap_if_dead
 
 
 def _main_grad(param: torch.Tensor) -> torch.Tensor:
