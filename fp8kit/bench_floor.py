@@ -46,6 +46,8 @@ def _cast(x: torch.Tensor, fp8_dtype: torch.dtype, c: torch.Tensor):
     scale.nan_to_num_(nan=1.0)
     y = torch.mul(x, scale)
     y.clamp_(-_MAX[fp8_dtype], _MAX[fp8_dtype])
+    if y.device.type == "cpu":  # NaN made positive, as a GPU's multiply does (block_cast.positive_nan_)
+        torch.nan_to_num_(y, nan=math.nan, posinf=math.inf, neginf=-math.inf)
     q = y.to(fp8_dtype)
     return q.view(torch.uint8), q, torch.reciprocal(scale)
 

@@ -83,3 +83,31 @@ def test_floor_runs_the_same_computation_as_fp8kit(m, k, n):
         pairs = ((y1, y2), (x1.grad, x2.grad), (lin.weight.grad, floor.weight.grad), (lin.bias.grad, floor.bias.grad))
         for a, b in pairs:
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+def test_floor_dispatches_the_operations_of_fp8kit():
+    """The floor row times the operations fp8kit's current-scaling Linear step dispatches on the CPU tensor path:
+    the same operations, but for the transposed views fp8kit's storages make (two `t`) and the zero the floor's
+    backward GEMMs start from (one `zeros`). A change of fp8kit's operations must be made in the floor too."""
+    from collections import Counter
+
+    from fp8kit.bench_ops import DispatchCounter
+
+    x, dy = torch.randn(16, 64, requires_grad=True), torch.randn(16, 64)
+    lin, floor = te.Linear(64, 64), FloorLinear(64, 64)
+
+    def fp8kit_step():
+        with te.autocast(recipe=Float8CurrentScaling()):
+            y = lin(x)
+        y.backward(dy)
+
+    counts = []
+    with host.tensor_path():
+        for step in (fp8kit_step, lambda: floor(x).backward(dy)):
+            for _ in range(3):
+                step()
+            with DispatchCounter() as counter:
+                step()
+            counts.append(Counter(counter.ops))
+    ours, floors = counts
+    assert ours - floors == Counter({"t": 2}) and floors - ours == Counter({"zeros": 1}), (ours, floors)

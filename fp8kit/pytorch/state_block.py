@@ -5,8 +5,7 @@ A state registered eagerly is placed into its key's block (its tensors become vi
 the batched update at autocast exit (and after the last backward) is a few whole-buffer operations whatever the
 number of modules: no per-state slicing, concatenation or copying back (SPEC section 6). The update runs in place
 (`state.update_in_place`) on views and buffers the block makes once per layout, among them a work buffer of the
-history's size (the rolled copy the torch update needs): it allocates nothing at exit but the recompute snapshot
-below. States registered while torch.compile traces or a graph is captured stay on their own tensors
+history's size (the rolled copy the torch update needs): in steady state it allocates nothing at exit. States registered while torch.compile traces or a graph is captured stay on their own tensors
 (`ScalingState` as before) and take the general path of `state.update_states`; a block a captured graph uses is
 pinned: it never moves its tensors again.
 
@@ -15,7 +14,8 @@ another device, a history of another shape, a copy.
 
 Recompute records (`fp8kit.pytorch.recompute`) need the forward scales of the step they repeat after the update
 changed them: a block hands out one `BlockScales` per period between updates, and the update saves the scales
-(one clone of the whole scale buffer) before changing them, only when a record asked.
+(one copy of the whole scale buffer) before changing them, only when a record asked, into the buffer of a period
+whose records are all gone (reused only when no view or other reference to it is left), else into a new one.
 """
 
 from __future__ import annotations
