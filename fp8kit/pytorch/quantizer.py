@@ -150,7 +150,8 @@ class CurrentQuantizer:
             return q
         if kernels.use_for(x):  # an amax pass, then a cast pass that computes the scale itself
             data, data_t, scale, inv, _ = kernels.current_cast(x, self.fp8_dtype, self.amax_epsilon, self.power_2,
-                                                               transpose=transpose, group=self.group, raw=True)
+                                                               transpose=transpose, group=self.group, raw=True,
+                                                               with_scale=self.stats is not None)
             q = Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, x.dtype, data_t)
             if self.stats is not None:
                 self.stats.record(x, q, scale)
@@ -169,7 +170,8 @@ class CurrentQuantizer:
         """As `DelayedQuantizer.quantize_dbias` (kernels: `kernels.current_cast_transpose_dbias`)."""
         if kernels.use_for(dy):
             data, data_t, scale, inv, _, dbias = kernels.current_cast_transpose_dbias(
-                dy, self.fp8_dtype, self.amax_epsilon, self.power_2, group=self.group, raw=True)
+                dy, self.fp8_dtype, self.amax_epsilon, self.power_2, group=self.group, raw=True,
+                with_scale=self.stats is not None)
             q = Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, dy.dtype, data_t)
             if self.stats is not None:
                 self.stats.record(dy, q, scale)

@@ -5,9 +5,10 @@ A state registered eagerly is placed into its key's block (its tensors become vi
 the batched update at autocast exit (and after the last backward) is a few whole-buffer operations whatever the
 number of modules: no per-state slicing, concatenation or copying back (SPEC section 6). The update runs in place
 (`state.update_in_place`) on views and buffers the block makes once per layout, among them a work buffer of the
-history's size (the rolled copy the torch update needs): in steady state it allocates nothing at exit. States registered while torch.compile traces or a graph is captured stay on their own tensors
-(`ScalingState` as before) and take the general path of `state.update_states`; a block a captured graph uses is
-pinned: it never moves its tensors again.
+history's size (the rolled copy the torch update needs): in steady state it allocates nothing at exit. States
+registered while torch.compile traces or a graph is captured stay on their own tensors (`ScalingState` as before)
+and take the general path of `state.update_states`; a block a captured graph uses is pinned: it never moves its
+tensors again.
 
 A state leaves its block (keeping its values in tensors of its own) when its tensors are replaced: `.to()` onto
 another device, a history of another shape, a copy.

@@ -200,7 +200,7 @@ def _amax(x: torch.Tensor):
     return out, bits
 
 
-def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where, raw=False):
+def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where, raw=False, with_scale=True):
     m, n = check_input(x, where)
     fp8_max, _ = fp8_info(fp8_dtype, where)
     eps = float(amax_epsilon)
@@ -211,7 +211,7 @@ def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where
         import torch.distributed as dist
 
         dist.all_reduce(a, op=dist.ReduceOp.MAX, group=group)
-    scale = torch.empty((), dtype=torch.float32, device=x.device)
+    scale = torch.empty((), dtype=torch.float32, device=x.device) if with_scale else None
     # raw: scale_inv `[1]`, the storages' shape (no reshape later)
     scale_inv = torch.empty((1,) if raw else (), dtype=torch.float32, device=x.device)
     data, data_t, grad = _run(x, m, n, fp8_dtype, amax_buf=a, amax_bits=bits, scale_out=scale,
@@ -219,13 +219,15 @@ def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where
                               transpose=transpose, dbias=dbias)
     if x.numel() == 0:
         clamped = torch.clamp_min(a, eps) if eps > 0 else a
-        scale.copy_(scale_from_amax(clamped, fp8_max, torch.ones_like(a), power_2))
-        scale_inv.copy_(torch.reciprocal(scale).reshape(scale_inv.shape))
+        empty_scale = scale_from_amax(clamped, fp8_max, torch.ones_like(a), power_2)
+        if scale is not None:
+            scale.copy_(empty_scale)
+        scale_inv.copy_(torch.reciprocal(empty_scale).reshape(scale_inv.shape))
     return (*_typed(data, data_t, fp8_dtype, raw), scale, scale_inv, a, grad)
 
 
 def current_cast(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0, power_2: bool = False,
-                 transpose: bool = False, group=None, *, raw: bool = False):
+                 transpose: bool = False, group=None, *, raw: bool = False, with_scale: bool = True):
     """Current scaling (SPEC section 3): the amax pass, an optional all-reduce (MAX) of the amax over `group`, then
     one cast pass that computes the scale in the kernel from the amax and writes it with its inverse.
 
@@ -234,20 +236,21 @@ def current_cast(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 
     Returns `(data, data_t, scale, scale_inv, amax)`; the last three are 0-d float32 tensors (amax after the
     reduction, before the epsilon). Two kernel launches (plus the amax zero-fill).
     `raw=True`: `data` / `data_t` as uint8 bytes and `scale_inv` of shape `[1]` (what the quantizers' storages
-    hold, with no view operations).
+    hold, with no view operations). `with_scale=False`: the scale is not written (None is returned for it; the
+    quantizers need only `scale_inv`), one allocation less.
     """
     data, data_t, scale, scale_inv, a, _ = _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, False,
-                                                    "kernels.current_cast", raw)
+                                                    "kernels.current_cast", raw, with_scale)
     return data, data_t, scale, scale_inv, a
 
 
 def current_cast_transpose_dbias(dy: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0,
-                                 power_2: bool = False, group=None, *, raw: bool = False):
+                                 power_2: bool = False, group=None, *, raw: bool = False, with_scale: bool = True):
     """Current scaling for grad_output: the amax pass (+ all-reduce over `group`), then one pass that writes the FP8
     bytes, their transpose and the bias-gradient partial sums, and the column-sum kernel.
 
     Returns `(data, data_t, scale, scale_inv, amax, dbias)` (see `current_cast` and `cast_transpose_dbias`).
-    Launches: 3 (plus the amax zero-fill). `raw` as in `current_cast`.
+    Launches: 3 (plus the amax zero-fill). `raw` and `with_scale` as in `current_cast`.
     """
     return _current(dy, fp8_dtype, amax_epsilon, power_2, True, group, True, "kernels.current_cast_transpose_dbias",
-                    raw)
+                    raw, with_scale)
