@@ -147,9 +147,18 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return memo[2]
 
     def transpose_view(self) -> Optional[torch.Tensor]:
-        """`_transpose` read as its FP8 format (a view), or None when there is no valid one."""
-        t = self._transpose
-        return None if t is None or self._transpose_invalid else t.view(_TORCH_OF[self._fp8_dtype])
+        """`_transpose` read as its FP8 format (a view, kept as `fp8_view` keeps its own: the weight's forward
+        storage serves the forward's saving and the backward's dgrad GEMM with one view), or None when there is no
+        valid one."""
+        t, fmt = self._transpose, self._fp8_dtype
+        if t is None or self._transpose_invalid:
+            return None
+        if torch.compiler.is_compiling():
+            return t.view(_TORCH_OF[fmt])
+        memo = getattr(self, "_transpose_view_memo", None)
+        if memo is None or memo[0] is not t or memo[1] is not fmt:
+            memo = self._transpose_view_memo = (t, fmt, t.view(_TORCH_OF[fmt]))
+        return memo[2]
 
     @property
     def dtype(self) -> torch.dtype:
