@@ -29,6 +29,8 @@ _JOBS = {
         TRANSPOSE=True, DBIAS=False, BLOCK_M=64, BLOCK_N=64), ["cvt.rn.satfinite.e5m2x2.f32", "div.rn.f32"], True),
     "cast_flat_delayed_e4m3": ("cast_flat_kernel", "fp32", dict(_CAST, BLOCK=4096),
                                ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32", "mul.f32"], True),
+    "cast_flat_current_e4m3": ("cast_flat_kernel", "bf16", dict(_CAST, AMAX=False, SCALE_FROM_AMAX=True, BLOCK=4096),
+                               ["cvt.rn.satfinite.e4m3x2.f32", "div.rn.f32"], True),
     "amax": ("amax_kernel", "bf16", dict(BLOCK=4096), [], True),
     "column_sum": ("column_sum_kernel", "fp32", dict(BLOCK_T=16, BLOCK_N=128), ["add.f32"], False),
     "update": ("update_kernel", None, dict(HAS_MASK=True, MOST_RECENT=False, POW2=True, BLOCK_N=32, BLOCK_L=32),

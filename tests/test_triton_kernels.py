@@ -211,9 +211,10 @@ def test_current_cast(dev, fill, eps, power_2, fp8_dtype):
 
 @pytest.mark.parametrize("fill", ["random", "empty"])
 @pytest.mark.parametrize("dbias", [False, True])
-def test_current_cast_without_the_scale_output(dev, fill, dbias):
-    """`with_scale=False` (what the quantizers ask: they keep only scale_inv) writes the same bytes, transpose,
-    scale_inv, amax and bias gradient as a cast that also writes the scale, and returns None for the scale."""
+def test_current_cast_without_the_scale_and_amax_outputs(dev, fill, dbias):
+    """`with_scale=False, with_amax=False` (what the quantizers ask: they keep only scale_inv) writes the same bytes,
+    transpose, scale_inv and bias gradient as a cast that also gives the scale and the amax, and returns None for
+    those two."""
     x = make_x((33, 21), torch.bfloat16, seed=5)
     x = torch.where(torch.isfinite(x), x, torch.zeros_like(x))
     if fill == "empty":
@@ -221,10 +222,10 @@ def test_current_cast_without_the_scale_output(dev, fill, dbias):
     x = x.to(dev)
     cast = kernels.current_cast_transpose_dbias if dbias else functools.partial(kernels.current_cast, transpose=True)
     with_scale = cast(x, E4M3, 1e-3, True, raw=True)
-    without = cast(x, E4M3, 1e-3, True, raw=True, with_scale=False)
-    assert without[2] is None and with_scale[2] is not None
+    without = cast(x, E4M3, 1e-3, True, raw=True, with_scale=False, with_amax=False)
+    assert without[2] is None and without[4] is None and with_scale[2] is not None and with_scale[4] is not None
     for i, (a, b) in enumerate(zip(with_scale, without)):
-        if i != 2 and a is not None:
+        if i not in (2, 4) and a is not None:
             assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a) if a.is_floating_point() else a,
                                                                              bits(b) if b.is_floating_point() else b)
     assert bits(without[3]).item() == bits(torch.reciprocal(with_scale[2])).item()

@@ -151,7 +151,7 @@ class CurrentQuantizer:
         if kernels.use_for(x):  # an amax pass, then a cast pass that computes the scale itself
             data, data_t, scale, inv, _ = kernels.current_cast(x, self.fp8_dtype, self.amax_epsilon, self.power_2,
                                                                transpose=transpose, group=self.group, raw=True,
-                                                               with_scale=self.stats is not None)
+                                                               with_scale=self.stats is not None, with_amax=False)
             q = Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, x.dtype, data_t)
             if self.stats is not None:
                 self.stats.record(x, q, scale)
@@ -171,7 +171,7 @@ class CurrentQuantizer:
         if kernels.use_for(dy):
             data, data_t, scale, inv, _, dbias = kernels.current_cast_transpose_dbias(
                 dy, self.fp8_dtype, self.amax_epsilon, self.power_2, group=self.group, raw=True,
-                with_scale=self.stats is not None)
+                with_scale=self.stats is not None, with_amax=False)
             q = Float8TensorStorage.from_bytes(data, self.fp8_dtype, inv, dy.dtype, data_t)
             if self.stats is not None:
                 self.stats.record(dy, q, scale)

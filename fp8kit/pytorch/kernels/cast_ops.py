@@ -47,7 +47,6 @@ def _run(x, m, n, fp8_dtype, *, scale=None, amax_buf=None, amax_bits=None, with_
         amax_bits = amax_buf.view(torch.int32)
     dummy = q  # stands for the pointers a variant does not use
     common = (scale if scale is not None else dummy,
-              amax_buf if amax_buf is not None else dummy,
               amax_bits if amax_bits is not None else dummy,
               scale_out if scale_out is not None else dummy,
               scale_inv_out if scale_inv_out is not None else dummy)
@@ -187,26 +186,28 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     """`max |x|` over the non-NaN elements of `x` (float32/bfloat16/float16, contiguous, any shape) as a 0-d
     float32 tensor (0 for an empty or all-NaN tensor). One zero-fill plus one kernel launch."""
     check_input(x, "kernels.amax")
-    return _amax(x)[0]
+    return _amax_bits(x).view(torch.float32)
 
 
-def _amax(x: torch.Tensor):
-    """(the amax as a 0-d float32 tensor, the same memory seen as int32): `amax`'s launch, both views kept."""
+def _amax_bits(x: torch.Tensor) -> torch.Tensor:
+    """`amax`'s launch: the amax's float32 bits as a 0-d int32 tensor (what the current-scaling cast kernels read;
+    the float32 view is made only where one is asked for)."""
     bits = torch.zeros((), dtype=torch.int32, device=x.device)  # 0 is the bits of +0.0
-    out = bits.view(torch.float32)
     if x.numel():
         launch("amax_kernel", (cdiv(x.numel(), FLAT_BLOCK),), x.device, (x, bits, x.numel()),
                dict(BLOCK=FLAT_BLOCK), reads=(x,))
-    return out, bits
+    return bits
 
 
-def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where, raw=False, with_scale=True):
+def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where, raw=False, with_scale=True,
+             with_amax=True):
     m, n = check_input(x, where)
     fp8_max, _ = fp8_info(fp8_dtype, where)
     eps = float(amax_epsilon)
     if not (eps >= 0 and eps != float("inf")):
         raise ValueError(f"{where}: amax_epsilon must be finite and >= 0, got {amax_epsilon!r}")
-    a, bits = _amax(x)
+    bits = _amax_bits(x)
+    a = bits.view(torch.float32) if (with_amax or group is not None or x.numel() == 0) else None
     if group is not None:
         import torch.distributed as dist
 
@@ -214,7 +215,7 @@ def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where
     scale = torch.empty((), dtype=torch.float32, device=x.device) if with_scale else None
     # raw: scale_inv `[1]`, the storages' shape (no reshape later)
     scale_inv = torch.empty((1,) if raw else (), dtype=torch.float32, device=x.device)
-    data, data_t, grad = _run(x, m, n, fp8_dtype, amax_buf=a, amax_bits=bits, scale_out=scale,
+    data, data_t, grad = _run(x, m, n, fp8_dtype, amax_bits=bits, scale_out=scale,
                               scale_inv_out=scale_inv, scaled_max=fp8_max, eps=eps, power_2=power_2,
                               transpose=transpose, dbias=dbias)
     if x.numel() == 0:
@@ -223,11 +224,12 @@ def _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, dbias, where
         if scale is not None:
             scale.copy_(empty_scale)
         scale_inv.copy_(torch.reciprocal(empty_scale).reshape(scale_inv.shape))
-    return (*_typed(data, data_t, fp8_dtype, raw), scale, scale_inv, a, grad)
+    return (*_typed(data, data_t, fp8_dtype, raw), scale, scale_inv, a if with_amax else None, grad)
 
 
 def current_cast(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0, power_2: bool = False,
-                 transpose: bool = False, group=None, *, raw: bool = False, with_scale: bool = True):
+                 transpose: bool = False, group=None, *, raw: bool = False, with_scale: bool = True,
+                 with_amax: bool = True):
     """Current scaling (SPEC section 3): the amax pass, an optional all-reduce (MAX) of the amax over `group`, then
     one cast pass that computes the scale in the kernel from the amax and writes it with its inverse.
 
@@ -237,20 +239,22 @@ def current_cast(x: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 
     reduction, before the epsilon). Two kernel launches (plus the amax zero-fill).
     `raw=True`: `data` / `data_t` as uint8 bytes and `scale_inv` of shape `[1]` (what the quantizers' storages
     hold, with no view operations). `with_scale=False`: the scale is not written (None is returned for it; the
-    quantizers need only `scale_inv`), one allocation less.
+    quantizers need only `scale_inv`), one allocation less; `with_amax=False`: None for the amax (no float32 view of
+    the amax kernel's int32 output).
     """
     data, data_t, scale, scale_inv, a, _ = _current(x, fp8_dtype, amax_epsilon, power_2, transpose, group, False,
-                                                    "kernels.current_cast", raw, with_scale)
+                                                    "kernels.current_cast", raw, with_scale, with_amax)
     return data, data_t, scale, scale_inv, a
 
 
 def current_cast_transpose_dbias(dy: torch.Tensor, fp8_dtype: torch.dtype, amax_epsilon: float = 0.0,
-                                 power_2: bool = False, group=None, *, raw: bool = False, with_scale: bool = True):
+                                 power_2: bool = False, group=None, *, raw: bool = False, with_scale: bool = True,
+                                 with_amax: bool = True):
     """Current scaling for grad_output: the amax pass (+ all-reduce over `group`), then one pass that writes the FP8
     bytes, their transpose and the bias-gradient partial sums, and the column-sum kernel.
 
     Returns `(data, data_t, scale, scale_inv, amax, dbias)` (see `current_cast` and `cast_transpose_dbias`).
-    Launches: 3 (plus the amax zero-fill). `raw` and `with_scale` as in `current_cast`.
+    Launches: 3 (plus the amax zero-fill). `raw`, `with_scale` and `with_amax` as in `current_cast`.
     """
     return _current(dy, fp8_dtype, amax_epsilon, power_2, True, group, True, "kernels.current_cast_transpose_dbias",
-                    raw, with_scale)
+                    raw, with_scale, with_amax)

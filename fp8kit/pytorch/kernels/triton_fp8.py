@@ -99,11 +99,12 @@ def _accumulate_amax(amax_bits_ptr, tile_amax):
 
 
 @triton.jit
-def _cast_scale(scale_ptr, amax_ptr, eps, scaled_max, SCALE_FROM_AMAX: tl.constexpr, POW2: tl.constexpr):
-    """The scale of this cast: `scale_ptr[0]`, or the current-scaling scale of the amax at `amax_ptr[0]`
-    (`max(amax, eps)`, `scaled_max / amax`, 1 when that amax is 0, inf or NaN)."""
+def _cast_scale(scale_ptr, amax_bits_ptr, eps, scaled_max, SCALE_FROM_AMAX: tl.constexpr, POW2: tl.constexpr):
+    """The scale of this cast: `scale_ptr[0]`, or the current-scaling scale of the amax whose float32 bits are at
+    `amax_bits_ptr[0]` (the amax kernel's int32 output, read as is: no float view on the host) (`max(amax, eps)`,
+    `scaled_max / amax`, 1 when that amax is 0, inf or NaN)."""
     if SCALE_FROM_AMAX:
-        a = tl.load(amax_ptr)
+        a = tl.load(amax_bits_ptr).to(tl.float32, bitcast=True)
         a = tl.where(a < eps, eps, a)  # clamp_min; a NaN stays NaN
         s = _scale_rule(a, scaled_max, 1.0, POW2)
     else:
@@ -136,17 +137,17 @@ def _quantize_bits(x, s, FP8_MAX: tl.constexpr, E4M3: tl.constexpr):
 
 
 @triton.jit
-def cast_flat_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, amax_bits_ptr, scale_out_ptr, scale_inv_ptr,
+def cast_flat_kernel(x_ptr, q_ptr, scale_ptr, amax_bits_ptr, scale_out_ptr, scale_inv_ptr,
                      numel, scaled_max, eps,
                      FP8_MAX: tl.constexpr, E4M3: tl.constexpr, AMAX: tl.constexpr, SCALE_FROM_AMAX: tl.constexpr,
                      POW2: tl.constexpr, WRITE_SCALE: tl.constexpr, WRITE_SCALE_INV: tl.constexpr,
                      BLOCK: tl.constexpr):
     """Cast BLOCK consecutive elements of the flat `x` to FP8 bytes at `q_ptr` (uint8, same layout). The grid is 1-D
     (`cdiv(numel, BLOCK)` programs on the x axis, which takes 2**31 - 1). With AMAX the block's NaN-ignoring max|x|
-    is max-accumulated into the float32 at `amax_ptr` (int32 view `amax_bits_ptr`); see `_cast_scale` and
+    is max-accumulated into the float32 whose int32 view is `amax_bits_ptr`; see `_cast_scale` and
     `_write_scales` for the scale."""
     pid = tl.program_id(0)
-    s = _cast_scale(scale_ptr, amax_ptr, eps, scaled_max, SCALE_FROM_AMAX, POW2)
+    s = _cast_scale(scale_ptr, amax_bits_ptr, eps, scaled_max, SCALE_FROM_AMAX, POW2)
     _write_scales(pid, s, scale_out_ptr, scale_inv_ptr, WRITE_SCALE, WRITE_SCALE_INV)
     offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
@@ -157,7 +158,7 @@ def cast_flat_kernel(x_ptr, q_ptr, scale_ptr, amax_ptr, amax_bits_ptr, scale_out
 
 
 @triton.jit
-def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, amax_bits_ptr, scale_out_ptr, scale_inv_ptr,
+def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_bits_ptr, scale_out_ptr, scale_inv_ptr,
                           dbias_ptr, M, N, tiles_n, scaled_max, eps,
                           FP8_MAX: tl.constexpr, E4M3: tl.constexpr, AMAX: tl.constexpr,
                           SCALE_FROM_AMAX: tl.constexpr, POW2: tl.constexpr, WRITE_SCALE: tl.constexpr,
@@ -174,7 +175,7 @@ def cast_transpose_kernel(x_ptr, q_ptr, qt_ptr, scale_ptr, amax_ptr, amax_bits_p
     pid = tl.program_id(0)
     pid_m = pid // tiles_n
     pid_n = pid % tiles_n
-    s = _cast_scale(scale_ptr, amax_ptr, eps, scaled_max, SCALE_FROM_AMAX, POW2)
+    s = _cast_scale(scale_ptr, amax_bits_ptr, eps, scaled_max, SCALE_FROM_AMAX, POW2)
     _write_scales(pid, s, scale_out_ptr, scale_inv_ptr, WRITE_SCALE, WRITE_SCALE_INV)
     rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
