@@ -54,7 +54,10 @@ class BlockScales:
         saved = self.saved
         if saved is not None:
             self.saved = None
-            self.block.spare_snapshot(saved)
+            try:
+                self.block.spare_snapshot(saved)
+            except Exception:  # interpreter shutdown (module globals gone): nothing to keep
+                pass
 
 
 class StateScales:
