@@ -348,3 +348,23 @@ def test_identity_ops_are_exact_and_differentiable(op):
 def test_the_base_class_refuses_views():
     with pytest.raises(NotImplementedError, match="QuantizedTensor class does not support tensor views"):
         QuantizedTensor((4, 4), torch.bfloat16).view(-1)
+
+
+@pytest.mark.parametrize("with_transpose", [False, True])
+def test_storage_holds_what_its_saved_form_handed_out(with_transpose):
+    """`holds(t)`: True for the tensor `saved_form` gave (the FP8 view of the bytes, or the transpose of the kept
+    transpose view when the storage carries `_transpose`), False for a copy or a fresh view of the same bytes (what a
+    saved-tensor hook may hand back), and it makes no view itself."""
+    from fp8kit.bench_ops import DispatchCounter
+    from fp8kit.pytorch.tensor.storage import Float8TensorStorage
+
+    data = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+    t = data.t().contiguous() if with_transpose else None
+    q = Float8TensorStorage(data=data, fp8_dtype=torch.float8_e4m3fn, fp8_scale_inv=torch.ones(1), data_transpose=t)
+    saved, _ = q.saved_form()
+    others = (saved.clone(), data.view(torch.float8_e4m3fn), data.view(torch.float8_e4m3fn).t().contiguous().t())
+    with DispatchCounter() as counter:
+        assert q.holds(saved) and q.holds(q._data)
+        assert not any(q.holds(other) for other in others)
+    assert counter.total == 0
+    assert torch.equal(saved.view(torch.uint8), data)  # the same bytes in the same [3, 4] layout

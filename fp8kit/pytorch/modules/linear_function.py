@@ -125,24 +125,13 @@ def _weight_operand(plan: LinearPlan, rebuild, saved: tuple, inv_value):
     tensor saved inside the traced forward cannot be compared with one made outside it (an FP8 weight parameter)."""
     forward = plan.weight_fp8
     first = saved[0]
-    if forward is not None and not torch.compiler.is_compiling() and _holds(forward, first):
+    if forward is not None and not torch.compiler.is_compiling() and getattr(forward, "holds", _holds_nothing)(first):
         return forward
     return rebuild(*saved, inv_value)
 
 
-def _holds(storage, saved: torch.Tensor) -> bool:
-    """Whether `saved` (the first tensor of the storage's `saved_form`, as the backward got it back) is still the
-    storage's own bytes: `_data`, its FP8 view, or the transpose of its `_transpose`'s FP8 view (kept by the storage)
-    that accelerators save (a saved-tensor hook that replaced it gives another tensor)."""
-    if getattr(storage, "_data", None) is saved:
-        return True
-    fp8_view = getattr(storage, "fp8_view", None)
-    if fp8_view is None:
-        return False
-    if fp8_view() is saved:  # uint8 bytes: a view
-        return True
-    transpose_view = getattr(storage, "transpose_view", None)
-    return transpose_view is not None and saved._base is not None and saved._base is transpose_view()
+def _holds_nothing(saved) -> bool:
+    return False
 
 
 class _LinearFunction(torch.autograd.Function):

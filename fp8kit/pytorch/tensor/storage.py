@@ -146,6 +146,20 @@ class Float8TensorStorage(QuantizedTensorStorage):
             memo = self._fp8_view_memo = (data, fmt, None if data is None else data.view(_TORCH_OF[fmt]))
         return memo[2]
 
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` is this storage's own bytes as `saved_form` handed them out: `_data`, the kept `fp8_view()`,
+        or the kept `transpose_view()` or its transpose (what accelerators save), so that a backward can take the
+        forward's storage back (a saved-tensor hook that replaced the tensor gives another one). Makes no view."""
+        data, fmt = self._data, self._fp8_dtype
+        if t is data:
+            return True
+        memo = getattr(self, "_fp8_view_memo", None)
+        if memo is not None and memo[2] is t and memo[0] is data and memo[1] is fmt:
+            return True
+        memo = getattr(self, "_transpose_view_memo", None)
+        return memo is not None and memo[0] is self._transpose and memo[1] is fmt and not self._transpose_invalid \
+            and (t is memo[2] or t._base is memo[2])
+
     def transpose_view(self) -> Optional[torch.Tensor]:
         """`_transpose` read as its FP8 format (a view, kept as `fp8_view` keeps its own: the weight's forward
         storage serves the forward's saving and the backward's dgrad GEMM with one view), or None when there is no
