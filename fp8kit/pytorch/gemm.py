@@ -135,6 +135,13 @@ def _is_row_major(t: torch.Tensor) -> bool:
     return t.is_contiguous() and t.storage_offset() % _ALIGN == 0
 
 
+def _is_col_major(t: torch.Tensor) -> bool:
+    """`t.t()` passes `_is_row_major`, read from the strides (no transposed view made)."""
+    if t.dim() != 2 or t.stride(0) != 1 or t.stride(1) != max(t.shape[0], 1):
+        return False
+    return torch.compiler.is_compiling() or t.storage_offset() % _ALIGN == 0
+
+
 def _col_major_source(b: Float8TensorStorage) -> torch.Tensor:
     """`b._data.t()` as a contiguous (row-major [N, K]) tensor: `b._transpose` as is, or `b._data` when it is a
     transposed view of one, else a copy."""
@@ -183,7 +190,9 @@ def scaled_mm(a: Float8TensorStorage, b: Float8TensorStorage, out_dtype: torch.d
     mat_a = a.fp8_view()
     mat_a = mat_a if _is_row_major(mat_a) else mat_a.contiguous()
     mat_a = _padded(mat_a, pad_k, 0)
-    mat_b = _padded(_col_major_source(b), pad_k, pad_n).t()  # column-major [K', N'], as cuBLASLt FP8 wants
+    mat_b = b.column_major_view() if not (pad_k or pad_n) else None  # kept by the storage: no operation
+    if mat_b is None or not _is_col_major(mat_b):
+        mat_b = _padded(_col_major_source(b), pad_k, pad_n).t()  # column-major [K', N'], as cuBLASLt FP8 wants
     mm_bias = bias
     if use_bias and pad_n:
         mm_bias = torch.nn.functional.pad(bias, (0, pad_n))

@@ -146,6 +146,23 @@ class Float8TensorStorage(QuantizedTensorStorage):
             memo = self._fp8_view_memo = (data, fmt, None if data is None else data.view(_TORCH_OF[fmt]))
         return memo[2]
 
+    def column_major_view(self) -> Optional[torch.Tensor]:
+        """The bytes as a column-major FP8 view of the nominal 2-D shape, without a copy, kept as `fp8_view()` is:
+        the transpose of `transpose_view()` when there is a valid `_transpose`, `fp8_view()` when `_data` itself is
+        laid out column-major (an operand rebuilt from what `saved_form` gave), else None."""
+        t = self.transpose_view()
+        if t is not None:
+            if torch.compiler.is_compiling():
+                return t.t()
+            memo = getattr(self, "_column_major_memo", None)
+            if memo is None or memo[0] is not t:
+                memo = self._column_major_memo = (t, t.t())
+            return memo[1]
+        data = self._data
+        if data is not None and data.dim() == 2 and data.stride(0) == 1 and data.stride(1) == data.shape[0] > 1:
+            return self.fp8_view()
+        return None
+
     def holds(self, t: torch.Tensor) -> bool:
         """Whether `t` is this storage's own bytes as `saved_form` handed them out: `_data`, the kept `fp8_view()`,
         or the kept `transpose_view()` or its transpose (what accelerators save), so that a backward can take the
@@ -263,8 +280,8 @@ class Float8TensorStorage(QuantizedTensorStorage):
         the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes, both as
         FP8-typed views (they carry the format); the scale tensor may be None on the host path, where
         `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
-        t = self.transpose_view()
-        return (t.t() if t is not None else self.fp8_view()), self._scale_inv
+        column_major = self.column_major_view() if self._transpose is not None else None
+        return (column_major if column_major is not None else self.fp8_view()), self._scale_inv
 
     @staticmethod
     def from_saved(data: torch.Tensor, scale_inv: Optional[torch.Tensor],
