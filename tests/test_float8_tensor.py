@@ -3,6 +3,7 @@ tests/reference.py (NumPy + ml_dtypes) and against the same operations on the FP
 
 import copy
 import io
+import pickle
 
 import numpy as np
 import pytest
@@ -368,3 +369,20 @@ def test_storage_holds_what_its_saved_form_handed_out(with_transpose):
         assert not any(q.holds(other) for other in others)
     assert counter.total == 0
     assert torch.equal(saved.view(torch.uint8), data)  # the same bytes in the same [3, 4] layout
+
+
+@pytest.mark.parametrize("copier", ["pickle", "deepcopy"])
+def test_storage_copies_after_its_views_were_made(copier):
+    """A storage whose FP8 views were made (the GEMMs and saved_form make and keep them) pickles and deep-copies:
+    the kept views are caches and are not copied (torch does not pickle FP8-typed tensors), the copy makes its own."""
+    from fp8kit.pytorch.tensor.storage import Float8TensorStorage
+
+    data = torch.arange(12, dtype=torch.uint8).reshape(3, 4)
+    q = Float8TensorStorage(data=data, fp8_dtype=torch.float8_e4m3fn, fp8_scale_inv=torch.full((1,), 0.5),
+                            data_transpose=data.t().contiguous())
+    q.fp8_view(), q.saved_form(), q.column_major_view()
+    c = pickle.loads(pickle.dumps(q)) if copier == "pickle" else copy.deepcopy(q)
+    saved, inv = c.saved_form()
+    assert c.holds(saved) and not c.holds(q.saved_form()[0])
+    assert torch.equal(saved.view(torch.uint8), data) and torch.equal(c.fp8_view().view(torch.uint8), data)
+    assert inv.item() == 0.5 and torch.equal(c.dequantize(), q.dequantize())

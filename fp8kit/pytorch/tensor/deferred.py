@@ -54,7 +54,7 @@ class DeferredBytesStorage(Float8TensorStorage):
     def __getstate__(self) -> dict:
         """Pickled with its bytes (made now: the maker is a closure over the source, which does not pickle)."""
         self._data  # noqa: B018 - makes the bytes
-        return {**self.__dict__, "_pending": None}
+        return {**super().__getstate__(), "_pending": None}
 
     @property
     def bytes_made(self) -> bool:

@@ -292,6 +292,15 @@ class Float8TensorStorage(QuantizedTensorStorage):
             return Float8TensorStorage(data=data, fp8_scale_inv=scale_inv, scale_inv_value=scale_inv_value)
         return Float8TensorStorage.trusted(data, scale_inv, torch.float32, scale_inv_value)
 
+    # ---- pickling ----
+
+    _VIEW_MEMOS = ("_fp8_view_memo", "_transpose_view_memo", "_column_major_memo")
+
+    def __getstate__(self) -> dict:
+        """The fields without the kept views (`fp8_view`, `transpose_view`, `column_major_view`): caches, remade on
+        use, and FP8-typed tensors, which torch's pickling does not take."""
+        return {k: v for k, v in self.__dict__.items() if k not in self._VIEW_MEMOS}
+
     # ---- autograd saving (Transformer Engine's protocol) ----
 
     def prepare_for_saving(self) -> Tuple[List[Optional[torch.Tensor]], "Float8TensorStorage"]:
