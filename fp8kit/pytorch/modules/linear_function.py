@@ -113,7 +113,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     Eager, with no functorch transform active, the Function is applied as `torch.autograd.Function.apply` does in
     that case (its operands' dead functorch wrappers unwrapped, then the C++ apply), without its generic argument
     handling (every GEMM call pays it); traced or under a transform, through `apply` itself."""
-    if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+    if _UNWRAP is None or torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
         return _LinearFunction.apply(x, weight, bias, plan)
     return _APPLY(_UNWRAP(x), _UNWRAP(weight), None if bias is None else _UNWRAP(bias), plan)
 
@@ -301,7 +301,7 @@ def _weight_grad(plan: LinearPlan, dy, x, fp8: bool, w_dtype: torch.dtype) -> Op
 
 
 _APPLY = super(torch.autograd.Function, _LinearFunction).apply  # what Function.apply ends in
-_UNWRAP = torch._C._functorch.unwrap_if_dead
+_UNWRAP = getattr(torch._C._functorch, "unwrap_if_dead", None)  # absent: `apply` itself, every call
 
 
 def _main_grad(param: torch.Tensor) -> torch.Tensor:
