@@ -341,7 +341,8 @@ class UpdateBuffers:
         self.parts = (self.tail, history[:1])
         self.work = self.work_tail = self.work_last = None  # made at the first `update_in_place` (not by kernels)
         self.used = torch.empty_like(scale, dtype=torch.bool)
-        self.used_int = torch.empty_like(scale, dtype=torch.int64)  # `used` as counter increments (CPU tensors)
+        # `used` as counter increments, on CPU tensors (see `advance_counters`)
+        self.used_int = torch.empty_like(scale, dtype=torch.int64) if scale.device.type == "cpu" else None
         self.bumped = torch.empty_like(scale, dtype=torch.int64)
         self.amax, self.ok = torch.empty_like(scale), torch.empty_like(scale, dtype=torch.bool)
         quotient = torch.empty_like(scale)

@@ -218,16 +218,16 @@ class SlotBlock:
         if found is not None:
             work = self._work
             scale = work[0].scale if work is not None else self.scale[:self.columns]
-            found.saved = None
-            while found.saved is None:
+            saved = None
+            while saved is None:
                 try:
                     buffer = self._spare.pop()  # (a BlockScales dying on another thread may append meanwhile)
                 except IndexError:
-                    found.saved = scale.clone()
                     break
                 if buffer.shape == scale.shape and buffer.device == scale.device \
                         and buffer.is_inference() == torch.is_inference_mode_enabled():
-                    found.saved = buffer.copy_(scale)
+                    saved = buffer.copy_(scale)
+            found.saved = saved if saved is not None else scale.clone()
             self._scales = None
 
     def spare_snapshot(self, buffer: torch.Tensor) -> None:

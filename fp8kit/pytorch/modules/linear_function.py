@@ -125,13 +125,10 @@ def _weight_operand(plan: LinearPlan, rebuild, saved: tuple, inv_value):
     tensor saved inside the traced forward cannot be compared with one made outside it (an FP8 weight parameter)."""
     forward = plan.weight_fp8
     first = saved[0]
-    if forward is not None and not torch.compiler.is_compiling() and getattr(forward, "holds", _holds_nothing)(first):
+    holds = getattr(forward, "holds", None)  # (a storage class without it: always rebuilt)
+    if holds is not None and not torch.compiler.is_compiling() and holds(first):
         return forward
     return rebuild(*saved, inv_value)
-
-
-def _holds_nothing(saved) -> bool:
-    return False
 
 
 class _LinearFunction(torch.autograd.Function):

@@ -139,12 +139,20 @@ class Float8TensorStorage(QuantizedTensorStorage):
         so that a saved operand can be recognised by identity). Traced by torch.compile the view is not kept: a
         storage made outside an autograd Function (an FP8 weight's) must not hold a view made inside it."""
         data, fmt = self._data, self._fp8_dtype
-        if torch.compiler.is_compiling():
-            return None if data is None else data.view(_TORCH_OF[fmt])
-        memo = getattr(self, "_fp8_view_memo", None)
-        if memo is None or memo[0] is not data or memo[1] is not fmt:
-            memo = self._fp8_view_memo = (data, fmt, None if data is None else data.view(_TORCH_OF[fmt]))
-        return memo[2]
+        return None if data is None else self._kept("_fp8_view_memo", data, fmt)
+
+    def _kept(self, name: str, source: torch.Tensor, fmt, transpose: bool = False) -> torch.Tensor:
+        """`source` read as the format `fmt` (or, with `transpose`, `source.t()`), kept in attribute `name` as
+        `(source, fmt, view)` while `source` and the format stay the same objects (the storage's kept views; `holds`
+        reads them). Traced by torch.compile nothing is kept."""
+        traced = torch.compiler.is_compiling()
+        memo = None if traced else getattr(self, name, None)
+        if memo is not None and memo[0] is source and memo[1] is fmt:
+            return memo[2]
+        view = source.t() if transpose else source.view(_TORCH_OF[fmt])
+        if not traced:
+            setattr(self, name, (source, fmt, view))
+        return view
 
     def column_major_view(self) -> Optional[torch.Tensor]:
         """The bytes as a column-major FP8 view of the nominal 2-D shape, without a copy, kept as `fp8_view()` is:
@@ -152,12 +160,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         laid out column-major (an operand rebuilt from what `saved_form` gave), else None."""
         t = self.transpose_view()
         if t is not None:
-            if torch.compiler.is_compiling():
-                return t.t()
-            memo = getattr(self, "_column_major_memo", None)
-            if memo is None or memo[0] is not t:
-                memo = self._column_major_memo = (t, t.t())
-            return memo[1]
+            return self._kept("_column_major_memo", t, self._fp8_dtype, transpose=True)
         data = self._data
         if data is not None and data.dim() == 2 and data.stride(0) == 1 and data.stride(1) == data.shape[0] > 1:
             return self.fp8_view()
@@ -184,12 +187,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         t, fmt = self._transpose, self._fp8_dtype
         if t is None or self._transpose_invalid:
             return None
-        if torch.compiler.is_compiling():
-            return t.view(_TORCH_OF[fmt])
-        memo = getattr(self, "_transpose_view_memo", None)
-        if memo is None or memo[0] is not t or memo[1] is not fmt:
-            memo = self._transpose_view_memo = (t, fmt, t.view(_TORCH_OF[fmt]))
-        return memo[2]
+        return self._kept("_transpose_view_memo", t, fmt)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -280,7 +278,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         the cast wrote one (what the dgrad / wgrad GEMM reads without a copy), else the row-major bytes, both as
         FP8-typed views (they carry the format); the scale tensor may be None on the host path, where
         `scale_inv_value` holds it. `from_saved` rebuilds the operand."""
-        column_major = self.column_major_view() if self._transpose is not None else None
+        column_major = self.column_major_view()  # (with no valid `_transpose`: the FP8 view, or None)
         return (column_major if column_major is not None else self.fp8_view()), self._scale_inv
 
     @staticmethod
