@@ -21,7 +21,6 @@ whose records are all gone (reused only when no view or other reference to it is
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import List, Optional, Sequence
 
@@ -29,7 +28,7 @@ import numpy as np
 import torch
 
 from . import host, kernels
-from .cpu_kernels.pool import unshared
+from .cpu_kernels.pool import references, unshared
 from .state import ScalingState, UpdateBuffers, advance_counters, update_in_place
 from .state import update_states as update_each
 
@@ -54,8 +53,12 @@ class BlockScales:
         saved = self.saved
         if saved is not None:
             self.saved = None
+            probe = object()  # a local as `saved` is: what one name of this frame shows now (pool.references)
             try:
-                self.block.spare_snapshot(saved)
+                # kept only if nothing else refers to it: no other Python reference, no view (a recompute's
+                # quantizer holds one while it runs)
+                if references(saved) <= references(probe) and unshared(saved):
+                    self.block.spare_snapshot(saved)
             except Exception:  # interpreter shutdown (module globals gone): nothing to keep
                 pass
 
@@ -231,11 +234,9 @@ class SlotBlock:
             self._scales = None
 
     def spare_snapshot(self, buffer: torch.Tensor) -> None:
-        """Keep a snapshot buffer of a `BlockScales` that died (its caller's one reference handed over) if nothing
-        else refers to it: no other Python reference, no view (a recompute's quantizer holds one while it runs).
+        """Keep the snapshot buffer of a `BlockScales` that died, which has checked that nothing else refers to it.
         At most two."""
-        probe = object()  # one local reference, measured in this frame (see cpu_kernels.pool.recycle)
-        if len(self._spare) < 2 and sys.getrefcount(buffer) <= sys.getrefcount(probe) + 1 and unshared(buffer):
+        if len(self._spare) < 2:
             self._spare.append(buffer)
 
     # ---- the update ----

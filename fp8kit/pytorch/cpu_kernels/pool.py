@@ -44,7 +44,11 @@ def empty(shape, dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(shape, dtype=dtype)
 
 
-def _references(obj) -> int:
+def references(obj) -> int:
+    """`sys.getrefcount` through one call. Compare only with a probe's count taken the same way from the same frame,
+    both held by local names made there: what a name shows depends on the process's state (after torch.compile has
+    run, a local shows one more reference; after a torch.compile error, a frame's arguments show one more than its
+    locals: measured on torch 2.13)."""
     return sys.getrefcount(obj)
 
 
@@ -66,13 +70,12 @@ def recycle(*owners) -> None:
         if not isinstance(t, torch.Tensor) or t.nbytes < MIN_BYTES or t.device.type != "cpu" or not t.is_contiguous():
             continue
         if probe is None:
-            # what `_references` gives for an object held by one local name of this frame, measured here and now:
-            # after torch.compile has run in the process, a local shows one more reference (measured in the suite),
-            # so a constant would keep nothing
+            # what `references` gives for an object held by one local name of this frame, measured here and now
+            # (a constant would keep nothing after torch.compile has run)
             probe = object()
-            baseline = _references(probe)
+            baseline = references(probe)
         owner._values = None
-        if _references(t) > baseline or not unshared(t):
+        if references(t) > baseline or not unshared(t):
             continue
         key = (tuple(t.shape), t.dtype, t.is_inference())
         with _lock:
