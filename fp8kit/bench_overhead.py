@@ -37,7 +37,7 @@ import torch
 import fp8kit.pytorch as te
 from fp8kit.bench_floor import FloorLinear
 from fp8kit.bench_ops import linear_op_counts
-from fp8kit.pytorch import host
+from fp8kit.pytorch import host, kernels
 from fp8kit.recipe import DelayedScaling, Float8CurrentScaling
 
 KINDS = ("Linear", "LayerNormLinear", "LayerNormMLP", "TransformerLayer")
@@ -130,11 +130,23 @@ def _medians(steps: Dict[str, Callable[[], tuple]], rounds: int, per_round: int)
     return {n: (statistics.median(fwd[n]), statistics.median(bwd[n])) for n in names}
 
 
+def _kernels_off(step: Callable[[], tuple]) -> Callable[[], tuple]:
+    def run():
+        with kernels.enabled_as(False):
+            return step()
+    return run
+
+
 def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int = 64, heads: int = 4,
-                  rounds: int = 9, per_round: int = 3, log=None, device="cpu") -> List[dict]:
-    """Rows {module, variant, forward_us, backward_us, ratio_*}: per module call, medians over interleaved rounds."""
+                  rounds: int = 9, per_round: int = 3, log=None, device="cpu",
+                  kernels_off_rows: Optional[bool] = None) -> List[dict]:
+    """Rows {module, variant, forward_us, backward_us, ratio_*}: per module call, medians over interleaved rounds.
+    `kernels_off_rows` (default: on CUDA) adds Linear rows with the Triton kernels off, in the same rounds: the
+    host cost of the launches against that of the torch operations they replace."""
     rows = []
     device = torch.device(device)
+    if kernels_off_rows is None:
+        kernels_off_rows = device.type == "cuda"
     for kind in kinds:
         if log:
             log(f"overhead: {kind}")
@@ -145,6 +157,9 @@ def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int 
         for name, recipe_cls in RECIPES.items():
             stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)]).to(device)
             steps[f"fp8kit {name}"] = _step(stack, x, recipe_cls())
+            if kind == "Linear" and kernels_off_rows:
+                stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)]).to(device)
+                steps[f"{name}, no kernels"] = _kernels_off(_step(stack, x, recipe_cls()))
         if kind == "Linear" and device.type == "cpu":  # current scaling's operations, without fp8kit around them
             steps[FLOOR] = _step(torch.nn.Sequential(*[FloorLinear(hidden, hidden) for _ in range(modules)]), x, None)
         medians = _medians(steps, rounds, per_round)
@@ -220,10 +235,10 @@ def format_overhead_report(report: dict) -> str:
         "thread CPU time"
     lines = [f"Host time per module call (us of {clock}; one thread, tensor path, tensors on "
              f"{report.get('device', 'cpu')}; median of interleaved rounds)",
-             f"{'module':17s} {'variant':17s} {'forward':>9s} {'backward':>9s} {'fwd x':>6s} {'bwd x':>6s} "
+             f"{'module':17s} {'variant':20s} {'forward':>9s} {'backward':>9s} {'fwd x':>6s} {'bwd x':>6s} "
              f"{'total x':>7s}"]
     for row in report["modules"]:
-        lines.append(f"{row['module']:17s} {row['variant']:17s} {row['forward_us']:9.1f} {row['backward_us']:9.1f} "
+        lines.append(f"{row['module']:17s} {row['variant']:20s} {row['forward_us']:9.1f} {row['backward_us']:9.1f} "
                      f"{row['ratio_forward']:6.2f} {row['ratio_backward']:6.2f} {row['ratio_total']:7.2f}")
     lines.append("")
     lines.append("autocast exit (batched update) after N Linear modules ran (us)")

@@ -111,3 +111,33 @@ def test_floor_dispatches_the_operations_of_fp8kit():
             counts.append(Counter(counter.ops))
     ours, floors = counts
     assert ours - floors == Counter({"t": 2}) and floors - ours == Counter({"zeros": 1}), (ours, floors)
+
+
+def test_kernels_off_rows_run_with_the_kernels_off(monkeypatch):
+    """The rows that compare the Triton kernels' launches with the torch operations (on CUDA by default) run their
+    steps with the kernels off and put the setting back."""
+    from fp8kit import bench_overhead
+    from fp8kit.pytorch import kernels
+
+    seen = []
+    real = bench_overhead._step
+
+    def spying_step(stack, x, recipe):
+        step = real(stack, x, recipe)
+
+        def run():
+            seen.append(kernels._enabled)
+            return step()
+        return run
+
+    monkeypatch.setattr(bench_overhead, "_step", spying_step)
+    before = kernels._enabled
+    with host.tensor_path():
+        rows = bench_overhead.bench_modules(("Linear",), modules=2, rounds=1, per_round=1, kernels_off_rows=True)
+    variants = [r["variant"] for r in rows]
+    assert "current, no kernels" in variants and "delayed, no kernels" in variants
+    assert all(r["forward_us"] > 0 for r in rows)
+    assert False in seen and kernels._enabled is before
+    with host.tensor_path():  # off CUDA, not by default
+        plain = bench_overhead.bench_modules(("Linear",), modules=1, rounds=1, per_round=1)
+    assert not any("no kernels" in r["variant"] for r in plain)
