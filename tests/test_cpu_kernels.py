@@ -3,6 +3,7 @@
 code, the amax; the Linear path with them equal to the path without them, bit for bit; and the fallbacks (no
 compiler, switched off, subnormals flushed)."""
 
+import itertools
 import math
 import os
 import subprocess
@@ -191,7 +192,9 @@ def test_flushed_subnormals_take_torch(no_cpu_kernels):
     try:
         x = _every16(torch.bfloat16)
         with cpu_kernels.switched(True):
-            assert not cpu_kernels.cast(x, 1.0, torch.float8_e4m3fn, torch.empty(x.shape, dtype=torch.uint8), None)
+            for t in (x, x.repeat(5)):  # one chunk, called directly; several, each checked on its own thread
+                assert not cpu_kernels.cast(t, 1.0, torch.float8_e4m3fn, torch.empty(t.shape, dtype=torch.uint8), None)
+                assert cpu_kernels.cast_amax(t, 1.0, torch.float8_e4m3fn, None, torch.empty_like(t)) is None
             for fmt, fp8 in FORMATS.items():
                 codes = torch.arange(0x7C, dtype=torch.uint8).repeat(40)
                 np.testing.assert_array_equal(cpu_kernels.widen(codes, fp8, torch.float32).numpy(),
@@ -283,9 +286,11 @@ def test_delayed_cast_records_the_amax_of_the_same_pass(dtype):
     """Delayed scaling's cast with its amax in one pass (`cast_host_recording`): the bytes and values of `cast_host`
     and the amax and NaN flag of the reference, with NaN, infinities and all-NaN inputs, in chunks on two threads."""
     rng = np.random.default_rng(5)
-    for n, special in [(1, None), (1, "nan"), (2, "inf"), (2, "nan"), (1, "all-nan"), (1, "zeros")]:
+    cases = [(1, None), (1, "nan"), (2, "inf"), (2, "nan"), (1, "all-nan"), (1, "zeros")]
+    # the large size goes through the chunked call (split on two threads), the small one is one direct call
+    for (n, special), size in itertools.product(cases, [(1 << 18) + 3, 1027]):
         with threads(n):
-            x = rng.standard_normal((1 << 18) + 3) * 9
+            x = rng.standard_normal(size) * 9
             if special == "all-nan":
                 x[:] = np.nan
             elif special == "zeros":

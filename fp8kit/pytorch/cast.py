@@ -335,12 +335,12 @@ def _cast_native(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, nan_free
         finite = seen[1] if track else nan_free
         return DeferredBytesStorage.make(x.shape, fp8_dtype, widened, make_bytes, x.dtype, inv, finite), \
             (seen if track else None)
-    data = torch.empty(x.shape, dtype=fp8_dtype)
+    data = torch.empty(x.shape, dtype=torch.uint8)
     widened = cpu_kernels.pool.empty(x.shape, torch.bfloat16) if want_values else None
-    seen = run(x, scale, fp8_dtype, data.view(torch.uint8), widened)
+    seen = run(x, scale, fp8_dtype, data, widened)
     if not seen:
         return None
-    q = Float8TensorStorage(data=data, fake_dtype=x.dtype, scale_inv_value=inv)
+    q = Float8TensorStorage.from_bytes(data, fp8_dtype, None, x.dtype, scale_inv_value=inv)
     q._codes_finite = seen[1] if track else nan_free
     q._values = widened
     return q, (seen if track else None)

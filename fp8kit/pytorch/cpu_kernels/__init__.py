@@ -52,7 +52,7 @@ def takes(x: torch.Tensor) -> bool:
     """Whether the kernels take `x`: a contiguous bf16, fp16 or float32 CPU tensor of at least MIN_NUMEL elements,
     the kernels available. The one test the host path's casts, amaxes and statistics make."""
     return x.dtype in _INPUT and x.numel() >= MIN_NUMEL and x.device.type == "cpu" and x.is_contiguous() \
-        and available()
+        and _state["on"] and (_state["lib"] is not None or _library() is not None)
 
 
 def available() -> bool:
@@ -155,14 +155,14 @@ def _declare(lib):
     lib.fp8kit_abi.argtypes, lib.fp8kit_abi.restype = [], ctypes.c_int
     if lib.fp8kit_abi() != ABI:
         raise RuntimeError(f"the built library has interface {lib.fp8kit_abi()}, this fp8kit expects {ABI}")
-    for fmt in _FORMAT.values():
-        for src in _INPUT.values():
-            fn = getattr(lib, f"fp8kit_cast_{src}_{fmt}")
+    for fp8_dtype, fmt in _FORMAT.items():
+        for dtype, src in _INPUT.items():
+            fn = _CAST[(dtype, fp8_dtype)] = getattr(lib, f"fp8kit_cast_{src}_{fmt}")
             fn.argtypes, fn.restype = [_P, _N, _F, _P, _P, _P, _P], ctypes.c_int
-        fn = getattr(lib, f"fp8kit_widen_{fmt}")
+        fn = _WIDEN[fp8_dtype] = getattr(lib, f"fp8kit_widen_{fmt}")
         fn.argtypes, fn.restype = [_P, _N, _P, _P], ctypes.c_int32
-    for src in _INPUT.values():
-        fn = getattr(lib, f"fp8kit_absmax_{src}")
+    for dtype, src in _INPUT.items():
+        fn = _ABSMAX[dtype] = getattr(lib, f"fp8kit_absmax_{src}")
         fn.argtypes, fn.restype = [_P, _N, ctypes.POINTER(ctypes.c_int)], ctypes.c_uint64
     for width in ("u8", "u16"):
         getattr(lib, f"fp8kit_count4_{width}").argtypes = [_P, _N, _P, _P]
@@ -177,7 +177,12 @@ def _declare(lib):
 # the others on a pool of Python threads (ctypes releases the GIL while the C loop runs). Below this many elements
 # per chunk the hand-off costs more than the loop.
 PARALLEL_MIN_CHUNK = 1 << 17
+_SPLIT_MIN = 2 * PARALLEL_MIN_CHUNK  # below this one chunk whatever the thread count: the call made directly
 _pool: dict = {"executor": None, "pid": None, "size": 0}
+_CAST: dict = {}  # (input dtype, fp8 dtype) -> the declared C function (filled when the library loads)
+_WIDEN: dict = {}  # fp8 dtype -> ...
+_ABSMAX: dict = {}  # input dtype -> ...
+_UNTRACKED = [(0, 0)]  # `_cast`'s parts without `track`
 
 
 def _chunks(n: int):
@@ -208,6 +213,10 @@ def _ptr(t: Optional[torch.Tensor], start: int):
     return None if t is None else t.data_ptr() + start * t.element_size()
 
 
+def _base(t: Optional[torch.Tensor]):
+    return None if t is None else t.data_ptr()
+
+
 def cast(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, data: Optional[torch.Tensor],
          values: Optional[torch.Tensor]) -> bool:
     """Writes the FP8 bytes of `saturate(float32(x) * scale)` (a NaN: 0x7F) into `data` (uint8) and/or their values
@@ -224,8 +233,15 @@ def cast_amax(x: torch.Tensor, scale: float, fp8_dtype: torch.dtype, data: Optio
 
 
 def _cast(x, scale, fp8_dtype, data, values, track: bool):
-    """The chunks' (amax bits, NaN seen) (or Nones without `track`), or None when the kernel refused."""
-    fn = getattr(_state["lib"], f"fp8kit_cast_{_INPUT[x.dtype]}_{_FORMAT[fp8_dtype]}")
+    """The chunks' (amax bits, NaN seen) (zeros without `track`), or None when the kernel refused."""
+    fn = _CAST[(x.dtype, fp8_dtype)]
+    n = x.numel()
+    if n < _SPLIT_MIN:  # one chunk, on this thread: the kernel checks the thread's mode before it writes anything
+        if not track:
+            return None if fn(x.data_ptr(), n, scale, _base(data), _base(values), None, None) else _UNTRACKED
+        bits, nan = ctypes.c_uint64(0), ctypes.c_int(0)
+        rc = fn(x.data_ptr(), n, scale, _base(data), _base(values), ctypes.byref(bits), ctypes.byref(nan))
+        return None if rc else [(bits.value, nan.value)]
     if fn(None, 0, scale, None, None, None, None) != 0:  # subnormals flushed on this thread (the pool's may differ)
         return None
 
@@ -239,22 +255,32 @@ def _cast(x, scale, fp8_dtype, data, values, track: bool):
     return None if any(rc for rc, _, _ in parts) else [(bits, nan) for _, bits, nan in parts]
 
 
+_U32, _F32, _U16, _F16 = struct.Struct("<I"), struct.Struct("<f"), struct.Struct("<H"), struct.Struct("<e")
+
+
 def _amax_of(dtype: torch.dtype, parts) -> Tuple[float, bool]:
     """(the amax as a float, no NaN seen) from the chunks' (magnitude bits, NaN seen)."""
-    bits = max(b for b, _ in parts)
-    if dtype == torch.bfloat16:
-        value = struct.unpack("<f", struct.pack("<I", bits << 16))[0]
-    elif dtype == torch.float16:
-        value = struct.unpack("<e", struct.pack("<H", bits))[0]
+    if len(parts) == 1:
+        bits, nan = parts[0]
     else:
-        value = struct.unpack("<f", struct.pack("<I", bits))[0]
-    return value, not any(nan for _, nan in parts)
+        bits, nan = max(b for b, _ in parts), any(n for _, n in parts)
+    if dtype == torch.bfloat16:
+        value = _F32.unpack(_U32.pack(bits << 16))[0]
+    elif dtype == torch.float16:
+        value = _F16.unpack(_U16.pack(bits))[0]
+    else:
+        value = _F32.unpack(_U32.pack(bits))[0]
+    return value, not nan
 
 
 def absmax(x: torch.Tensor) -> Tuple[float, bool]:
     """(max |x| over the non-NaN elements as a float, whether x holds no NaN) for a contiguous bf16, fp16 or float32
     CPU tensor."""
-    fn = getattr(_state["lib"], f"fp8kit_absmax_{_INPUT[x.dtype]}")
+    fn = _ABSMAX[x.dtype]
+    n = x.numel()
+    if n < _SPLIT_MIN:
+        nan = ctypes.c_int(0)
+        return _amax_of(x.dtype, [(fn(x.data_ptr(), n, ctypes.byref(nan)), nan.value)])
 
     def part(start: int, count: int):
         nan = ctypes.c_int(0)
@@ -271,13 +297,17 @@ def widen(raw: torch.Tensor, fp8_dtype: torch.dtype, dtype: torch.dtype) -> Opti
     """The values of contiguous uint8 FP8 bytes as bf16 or float32 (a new contiguous tensor of raw's shape), or
     None where they hold a NaN or inf code (use torch then). Exact with subnormals flushed too (no subnormal
     operand)."""
-    fmt = _FORMAT[fp8_dtype]
-    fn = getattr(_state["lib"], f"fp8kit_widen_{fmt}")
+    fn = _WIDEN[fp8_dtype]
     out = pool.empty(raw.shape, dtype)
     half, wide = (out, None) if dtype == torch.bfloat16 else (None, out)
-    top = max(_run([lambda start=start, count=count: fn(_ptr(raw, start), count, _ptr(half, start), _ptr(wide, start))
-                    for start, count in _chunks(raw.numel())]))
-    return out if 0 <= top < _SPECIAL[fmt] else None
+    n = raw.numel()
+    if n < _SPLIT_MIN:
+        top = fn(raw.data_ptr(), n, _base(half), _base(wide))
+    else:
+        top = max(_run([lambda start=start, count=count: fn(_ptr(raw, start), count, _ptr(half, start),
+                                                            _ptr(wide, start))
+                        for start, count in _chunks(n)]))
+    return out if 0 <= top < _SPECIAL[_FORMAT[fp8_dtype]] else None
 
 
 def count4(codes: torch.Tensor, targets) -> list:

@@ -107,12 +107,14 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return self
 
     @classmethod
-    def from_bytes(cls, data: torch.Tensor, fp8_dtype: torch.dtype, scale_inv: torch.Tensor, fake_dtype: torch.dtype,
-                   data_transpose: Optional[torch.Tensor] = None) -> "Float8TensorStorage":
+    def from_bytes(cls, data: torch.Tensor, fp8_dtype: torch.dtype, scale_inv: Optional[torch.Tensor],
+                   fake_dtype: torch.dtype, data_transpose: Optional[torch.Tensor] = None,
+                   scale_inv_value: Optional[float] = None) -> "Float8TensorStorage":
         """A storage of uint8 `data` (and contiguous uint8 `data_transpose`) in the torch float8 format `fp8_dtype`,
-        with float32 `[1]` `scale_inv`, made by fp8kit's own kernels (no checks, no view operations)."""
+        with float32 `[1]` `scale_inv` (or the float `scale_inv_value`), made by fp8kit's own kernels (no checks, no
+        view operations)."""
         self = cls.__new__(cls)
-        self._assign(data, _TE_DTYPE[fp8_dtype], scale_inv, fake_dtype, data_transpose, None, None)
+        self._assign(data, _TE_DTYPE[fp8_dtype], scale_inv, fake_dtype, data_transpose, None, scale_inv_value)
         return self
 
     # ---- reading ----
