@@ -30,6 +30,9 @@ SCALE_MIN = 2.0 ** -63
 BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
+_FLOAT32 = struct.Struct("f")
+
+
 def f32(value: float) -> float:
     """`value` rounded to the nearest float32, as a Python float (beyond the float32 range: +-inf)."""
     if value != value:
@@ -37,7 +40,7 @@ def f32(value: float) -> float:
     if abs(value) >= FLT_MAX:
         # within half an ulp beyond FLT_MAX still rounds to FLT_MAX
         return math.copysign(FLT_MAX if abs(value) < FLT_MAX + 2.0 ** 103 else math.inf, value)
-    return struct.unpack("f", struct.pack("f", value))[0]
+    return _FLOAT32.unpack(_FLOAT32.pack(value))[0]
 
 
 class _FormatHelper(NamedTuple):

@@ -51,7 +51,7 @@ MIN_NUMEL = 1 << 10  # below this a call costs about what torch's few operations
 def takes(x: torch.Tensor) -> bool:
     """Whether the kernels take `x`: a contiguous bf16, fp16 or float32 CPU tensor of at least MIN_NUMEL elements,
     the kernels available. The one test the host path's casts, amaxes and statistics make."""
-    return x.dtype in _INPUT and x.numel() >= MIN_NUMEL and x.device.type == "cpu" and x.is_contiguous() \
+    return x.dtype in _INPUT and x.numel() >= MIN_NUMEL and x.is_cpu and x.is_contiguous() \
         and _state["on"] and (_state["lib"] is not None or _library() is not None)
 
 
