@@ -20,6 +20,11 @@ rounds:
   LayerNormMLP     torch.nn.LayerNorm + Linear + GELU + Linear
   TransformerLayer torch.nn.TransformerEncoderLayer (pre-norm, GELU, causal mask, no dropout)
 
+On the CPU, Linear is also timed on the host path ("host path" rows: the CPU's default, where the casts are fp8kit's
+CPU kernels and the scale arithmetic is Python floats), which is what a CPU user's small model pays. On CUDA, Linear
+is also timed with the Triton kernels off ("no kernels" rows): the launches' host cost against the operations they
+replace.
+
 Also timed: the autocast exit (the batched delayed-scaling update) after 10, 200 and 1,000 Linear modules ran, which
 should not grow with the number of modules. And counted (`fp8kit.bench_ops`): the operations one Linear step
 dispatches on the accelerator path (meta tensors, fp8kit's Triton kernels on and off) and on the CPU tensor path.
@@ -130,9 +135,10 @@ def _medians(steps: Dict[str, Callable[[], tuple]], rounds: int, per_round: int)
     return {n: (statistics.median(fwd[n]), statistics.median(bwd[n])) for n in names}
 
 
-def _kernels_off(step: Callable[[], tuple]) -> Callable[[], tuple]:
+def _within(scope: Callable, step: Callable[[], tuple]) -> Callable[[], tuple]:
+    """`step` run inside the context manager `scope()` each time."""
     def run():
-        with kernels.enabled_as(False):
+        with scope():
             return step()
     return run
 
@@ -142,7 +148,8 @@ def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int 
                   kernels_off_rows: Optional[bool] = None) -> List[dict]:
     """Rows {module, variant, forward_us, backward_us, ratio_*}: per module call, medians over interleaved rounds.
     `kernels_off_rows` (default: on CUDA) adds Linear rows with the Triton kernels off, in the same rounds: the
-    host cost of the launches against that of the torch operations they replace."""
+    host cost of the launches against that of the torch operations they replace. On CPU tensors Linear also gets
+    rows on the host path (the CPU's default path, `host.host_path`), whatever path the caller chose."""
     rows = []
     device = torch.device(device)
     if kernels_off_rows is None:
@@ -157,9 +164,12 @@ def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int 
         for name, recipe_cls in RECIPES.items():
             stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)]).to(device)
             steps[f"fp8kit {name}"] = _step(stack, x, recipe_cls())
-            if kind == "Linear" and kernels_off_rows:
+            extra = {"no kernels": lambda: kernels.enabled_as(False)} if kernels_off_rows else {}
+            if device.type == "cpu":
+                extra["host path"] = host.host_path
+            for label, scope in (extra.items() if kind == "Linear" else ()):
                 stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)]).to(device)
-                steps[f"{name}, no kernels"] = _kernels_off(_step(stack, x, recipe_cls()))
+                steps[f"{name}, {label}"] = _within(scope, _step(stack, x, recipe_cls()))
         if kind == "Linear" and device.type == "cpu":  # current scaling's operations, without fp8kit around them
             steps[FLOOR] = _step(torch.nn.Sequential(*[FloorLinear(hidden, hidden) for _ in range(modules)]), x, None)
         medians = _medians(steps, rounds, per_round)

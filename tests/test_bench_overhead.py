@@ -18,7 +18,8 @@ def test_quick_report_is_consistent():
     report = run_overhead_bench(quick=True, rounds=1)
     assert torch.get_num_threads() == threads  # restored
     rows = {r["variant"]: r for r in report["modules"]}
-    assert set(rows) == {"torch", "fp8kit current", "fp8kit delayed", FLOOR}
+    assert set(rows) == {"torch", "fp8kit current", "fp8kit delayed", FLOOR, "current, host path",
+                         "delayed, host path"}
     base = rows["torch"]
     for row in rows.values():
         assert row["forward_us"] > 0 and row["backward_us"] > 0
@@ -138,6 +139,30 @@ def test_kernels_off_rows_run_with_the_kernels_off(monkeypatch):
     assert "current, no kernels" in variants and "delayed, no kernels" in variants
     assert all(r["forward_us"] > 0 for r in rows)
     assert False in seen and kernels._enabled is before
+
+
+def test_host_path_rows_run_on_the_host_path(monkeypatch):
+    """On CPU tensors the Linear rows labelled "host path" run on the CPU's default path even inside the report's
+    `tensor_path()`, and the other fp8kit rows stay on the tensor path."""
+    from fp8kit import bench_overhead
+
+    seen = {}
+    real = bench_overhead._step
+
+    def spying_step(stack, x, recipe):
+        step = real(stack, x, recipe)
+
+        def run():
+            seen.setdefault(id(stack), set()).add(host.active(x.device))
+            return step()
+        return run
+
+    monkeypatch.setattr(bench_overhead, "_step", spying_step)
+    with host.tensor_path():
+        rows = bench_overhead.bench_modules(("Linear",), modules=1, rounds=1, per_round=1)
+        assert not host.active(torch.device("cpu"))  # the scope is back
+    assert [r["variant"] for r in rows if "host path" in r["variant"]] == ["current, host path", "delayed, host path"]
+    assert sorted(map(sorted, seen.values())) == [[False]] * 4 + [[True]] * 2  # torch, floor, 2 tensor, 2 host
     with host.tensor_path():  # off CUDA, not by default
         plain = bench_overhead.bench_modules(("Linear",), modules=1, rounds=1, per_round=1)
     assert not any("no kernels" in r["variant"] for r in plain)

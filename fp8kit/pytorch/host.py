@@ -44,6 +44,17 @@ def tensor_path() -> Iterator[None]:
         _ENABLED = old
 
 
+@contextlib.contextmanager
+def host_path() -> Iterator[None]:
+    """The host fast path for CPU tensors in this scope (the default; undoes an enclosing `tensor_path`)."""
+    global _ENABLED
+    old, _ENABLED = _ENABLED, True
+    try:
+        yield
+    finally:
+        _ENABLED = old
+
+
 def amax(x: torch.Tensor) -> float:
     """`max |x|` over the non-NaN elements of a CPU tensor, as a Python float (0 for empty or all-NaN)."""
     return amax_nan(x)[0]
