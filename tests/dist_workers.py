@@ -305,8 +305,9 @@ def check_registration_mismatch():
                 m(x)
     _expect_mismatch(order, "position 0", "bias=False", "out_features=64")
 
-    # 4. a late registration: rank 1 runs a new module in the third step
-    recipe = DelayedScaling(amax_history_len=8)
+    # 4. a late registration: rank 1 runs a new module in the third step (a key of its own: the DDP and FSDP2
+    # checks' modules, kept alive by reference cycles until a collection, are registered under history 8)
+    recipe = DelayedScaling(amax_history_len=17)
     g, h, late = te.Linear(16, 16), te.Linear(16, 16), te.Linear(16, 16)
 
     def steps():
