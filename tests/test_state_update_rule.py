@@ -96,8 +96,9 @@ def _check(states, want):
         assert state.update_count == c
 
 
+@pytest.mark.parametrize("path", ["tensor", "host"])
 @pytest.mark.parametrize("recipe", RECIPES, ids=_name)
-def test_block_update_matches_the_reference(recipe):
+def test_block_update_matches_the_reference(recipe, path):
     rng = np.random.default_rng(recipe.amax_history_len * 7 + recipe.interval)
     fp8_max = 448.0
     length = recipe.amax_history_len
@@ -106,14 +107,16 @@ def test_block_update_matches_the_reference(recipe):
     block = SlotBlock(length, torch.device("cpu"))
     for state in states:
         assert block.place(state)
-    with host.tensor_path():
-        for step in range(3):  # the first update makes the block's views; later ones reuse them
+    with host.tensor_path() if path == "tensor" else host.host_path():
+        for step in range(4):  # the first update makes the block's views; later ones reuse them
             want = _reference(recipe, fp8_max, histories, scales, counters)
             block.update(recipe, fp8_max)
             _check(states, want)
             histories = [h.copy() for h, _, _ in want]
-            for h in histories:  # new staging values, some columns left unused
+            for h in histories:  # new staging values, some columns left unused (except before the last update)
                 h[0] = np.stack([_column(rng, length)[0] for _ in range(h.shape[1])])
+                if step == 2:
+                    h[0][h[0] == 0] = 2.5
             scales, counters = [s for _, s, _ in want], [c for _, _, c in want]
             for state, h in zip(states, histories):
                 state.amax_history = torch.from_numpy(h.copy())
