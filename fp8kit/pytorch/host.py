@@ -104,17 +104,20 @@ def reciprocal(scale: float) -> float:
 
 # ---- the delayed-scaling update on NumPy views ----------------------------------------------------------------
 
-def _update_scale(history: np.ndarray, used: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
-                  recompute: Optional[np.ndarray]) -> None:
-    """The delayed rule's new scales into `scale`, in place, from the history before it rolls."""
+def compute_update(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
+                   recompute: Optional[np.ndarray] = None):
+    """`state.compute_update` for built-in algorithms, on float32 NumPy arrays. Returns (history, scale)."""
+    last = history[0]
+    used = last != 0
     if recipe.amax_compute_algo == "most_recent":
-        amax_v = history[0]
+        amax_v = last
     else:
         # NaN-ignoring max; a column whose max is NaN (all NaN) or <= 0 keeps its scale either way
         amax_v = np.fmax.reduce(history, axis=0)
     change = used & (amax_v > 0) & (amax_v < math.inf)
     if recompute is not None:
         change &= recompute
+    new_scale = scale.copy()
     if change.any():
         # float64 quotients of float32 values, clamped to [SCALE_MIN, FLT_MAX], then rounded once: the clamped
         # float32 quotient
@@ -122,36 +125,7 @@ def _update_scale(history: np.ndarray, used: np.ndarray, scale: np.ndarray, reci
         q = np.clip(q, SCALE_MIN, FLT_MAX).astype(np.float32)
         if recipe.power_2_scale:
             q = (q.view(np.int32) & np.int32(0x7F800000)).view(np.float32)
-        np.copyto(scale, q, where=change)
-
-
-def update_in_place(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
-                    recompute: Optional[np.ndarray] = None) -> None:
-    """`compute_update` written into `history` and `scale` themselves (a flat block's NumPy views): the used columns
-    roll in place (NumPy copes with the overlap), so that nothing the size of the history is allocated when every
-    column is used, and only the used columns are copied out otherwise."""
-    used = history[0] != 0
-    _update_scale(history, used, scale, recipe, fp8_max, recompute)
-    if used.all():
-        staging = history[0].copy()
-        history[1:-1] = history[2:]
-        history[-1] = staging
-        history[0] = 0
-    elif used.any():
-        columns = np.flatnonzero(used)
-        part = history[:, columns]  # [0, part[2:], part[0]] goes back into those columns
-        history[1:-1, columns] = part[2:]
-        history[-1, columns] = part[0]
-        history[0, columns] = 0
-
-
-def compute_update(history: np.ndarray, scale: np.ndarray, recipe, fp8_max: float,
-                   recompute: Optional[np.ndarray] = None):
-    """`state.compute_update` for built-in algorithms, on float32 NumPy arrays. Returns (history, scale)."""
-    last = history[0]
-    used = last != 0
-    new_scale = scale.copy()
-    _update_scale(history, used, new_scale, recipe, fp8_max, recompute)
+        np.copyto(new_scale, q, where=change)
     rolled = np.empty_like(history)  # [0, history[2:], history[0]]
     rolled[1:-1] = history[2:]
     rolled[-1] = last

@@ -293,7 +293,9 @@ class SlotBlock:
         if recipe.interval > 1:
             mask = (counts % recipe.interval == 0)[owners]
         takes_part = np.bincount(owners, weights=history[0] != 0, minlength=counts.shape[0]) > 0
-        host.update_in_place(history, scale, recipe, fp8_max, mask)
+        new_history, new_scale = host.compute_update(history, scale, recipe, fp8_max, mask)
+        history[...] = new_history
+        scale[...] = new_scale
         counts += takes_part
 
 
