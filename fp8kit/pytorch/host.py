@@ -34,25 +34,23 @@ def active(device: torch.device) -> bool:
 
 
 @contextlib.contextmanager
-def tensor_path() -> Iterator[None]:
+def _enabled_as(flag: bool) -> Iterator[None]:
+    global _ENABLED
+    old, _ENABLED = _ENABLED, flag
+    try:
+        yield
+    finally:
+        _ENABLED = old
+
+
+def tensor_path() -> contextlib.AbstractContextManager:
     """Run every scale rule and state update through torch operations in this scope (as on accelerators)."""
-    global _ENABLED
-    old, _ENABLED = _ENABLED, False
-    try:
-        yield
-    finally:
-        _ENABLED = old
+    return _enabled_as(False)
 
 
-@contextlib.contextmanager
-def host_path() -> Iterator[None]:
+def host_path() -> contextlib.AbstractContextManager:
     """The host fast path for CPU tensors in this scope (the default; undoes an enclosing `tensor_path`)."""
-    global _ENABLED
-    old, _ENABLED = _ENABLED, True
-    try:
-        yield
-    finally:
-        _ENABLED = old
+    return _enabled_as(True)
 
 
 def amax(x: torch.Tensor) -> float:
