@@ -182,7 +182,7 @@ _pool: dict = {"executor": None, "pid": None, "size": 0}
 _CAST: dict = {}  # (input dtype, fp8 dtype) -> the declared C function (filled when the library loads)
 _WIDEN: dict = {}  # fp8 dtype -> ...
 _ABSMAX: dict = {}  # input dtype -> ...
-_UNTRACKED = [(0, 0)]  # `_cast`'s parts without `track`
+_UNTRACKED = ((0, 0),)  # `_cast`'s parts without `track`
 
 
 def _chunks(n: int):
