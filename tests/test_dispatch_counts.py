@@ -46,11 +46,11 @@ EXIT_CEILING = 16  # ops of one batched forward update (one key), whatever the n
 # in-place update, 15 before the CPU counters' kept conversion buffer: docs/performance.md)
 
 
-def _call_counts(kind: str, recipe):
-    """(forward ops, exit ops, backward ops) of one steady-state call of one module."""
+def _call_counts(kind: str, recipe, path: str = "tensor"):
+    """(forward ops, exit ops, backward ops) of one steady-state call of one module, on the tensor or host path."""
     torch.manual_seed(0)
     module, x = _te_module(kind, 64, 4), _input(kind, 16, 64)
-    with host.tensor_path():
+    with host.tensor_path() if path == "tensor" else host.host_path():
         for _ in range(3):  # first calls: registration, quantizers
             with te.autocast(recipe=recipe):
                 y = module(x)
@@ -72,6 +72,27 @@ def test_ops_per_module_call(kind, recipe_name):
     assert forward.total <= fwd_max, f"{kind} forward ({recipe_name}): {forward.total} ops\n{forward.table()}"
     assert backward.total <= bwd_max, f"{kind} backward ({recipe_name}): {backward.total} ops\n{backward.table()}"
     assert exit_ops.total <= EXIT_CEILING, exit_ops.table()
+
+
+# The CPU's default path (the host path) with fp8kit's CPU kernels: a cast is one C call (two for current scaling's
+# amax and cast) plus the allocation of its bytes (and values), the scale arithmetic is Python floats; left are the
+# GEMMs with their widened operands' allocations, the transposed views, dy's contiguous copy and the bias gradient
+# (the backward count includes, as above, the loss's sum and the gradients' accumulation). 19 + 21 before the cast
+# allocated uint8 bytes and built its storage without views (docs/performance.md, "Fifth session").
+HOST_CEILINGS = {"current": (11, 17), "delayed": (11, 17)}
+
+
+@pytest.mark.parametrize("recipe_name", ["current", "delayed"])
+def test_host_path_ops_per_linear_call(recipe_name):
+    from fp8kit.pytorch import cpu_kernels
+
+    if not cpu_kernels.available():
+        pytest.skip(f"fp8kit's CPU kernels are not available here: {cpu_kernels.reason()}")
+    forward, exit_ops, backward = _call_counts("Linear", RECIPES[recipe_name](), path="host")
+    fwd_max, bwd_max = HOST_CEILINGS[recipe_name]
+    assert forward.total <= fwd_max, f"forward ({recipe_name}): {forward.total} ops\n{forward.table()}"
+    assert backward.total <= bwd_max, f"backward ({recipe_name}): {backward.total} ops\n{backward.table()}"
+    assert exit_ops.total == 0, exit_ops.table()  # the host update runs on NumPy views
 
 
 def test_linear_stays_near_torch():
