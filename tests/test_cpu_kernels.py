@@ -192,6 +192,9 @@ def test_flushed_subnormals_take_torch(no_cpu_kernels):
     try:
         x = _every16(torch.bfloat16)
         with cpu_kernels.switched(True):
+            history, scale = np.full((4, 3), 2.0, dtype=np.float32), np.ones(3, dtype=np.float32)
+            assert not cpu_kernels.delayed_update(history, scale, None, False, 448.0, 2.0 ** -63, 3.4e38, False)
+            assert (history == 2.0).all() and (scale == 1.0).all()  # refused before writing: NumPy updates then
             for t in (x, x.repeat(5)):  # one chunk, called directly; several, each checked on its own thread
                 assert not cpu_kernels.cast(t, 1.0, torch.float8_e4m3fn, torch.empty(t.shape, dtype=torch.uint8), None)
                 assert cpu_kernels.cast_amax(t, 1.0, torch.float8_e4m3fn, None, torch.empty_like(t)) is None

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from fp8kit.pytorch import host
+from fp8kit.pytorch import cpu_kernels, host
 from fp8kit.pytorch.state import ScalingState, compute_update
 from fp8kit.pytorch.state import update_states as update_each
 from fp8kit.pytorch.state_block import SlotBlock
@@ -96,7 +96,7 @@ def _check(states, want):
         assert state.update_count == c
 
 
-@pytest.mark.parametrize("path", ["tensor", "host"])
+@pytest.mark.parametrize("path", ["tensor", "host", "host, NumPy"])  # host: fp8kit's CPU update kernel if built
 @pytest.mark.parametrize("recipe", RECIPES, ids=_name)
 def test_block_update_matches_the_reference(recipe, path):
     rng = np.random.default_rng(recipe.amax_history_len * 7 + recipe.interval)
@@ -107,7 +107,7 @@ def test_block_update_matches_the_reference(recipe, path):
     block = SlotBlock(length, torch.device("cpu"))
     for state in states:
         assert block.place(state)
-    with host.tensor_path() if path == "tensor" else host.host_path():
+    with host.tensor_path() if path == "tensor" else host.host_path(), cpu_kernels.switched(path != "host, NumPy"):
         for step in range(4):  # the first update makes the block's views; later ones reuse them
             want = _reference(recipe, fp8_max, histories, scales, counters)
             block.update(recipe, fp8_max)

@@ -27,7 +27,7 @@ from typing import List, Optional, Sequence
 import numpy as np
 import torch
 
-from . import host, kernels
+from . import cpu_kernels, host, kernels
 from .cpu_kernels.pool import references, unshared
 from .state import ScalingState, UpdateBuffers, advance_counters, update_in_place
 from .state import update_states as update_each
@@ -293,9 +293,12 @@ class SlotBlock:
         if recipe.interval > 1:
             mask = (counts % recipe.interval == 0)[owners]
         takes_part = np.bincount(owners, weights=history[0] != 0, minlength=counts.shape[0]) > 0
-        new_history, new_scale = host.compute_update(history, scale, recipe, fp8_max, mask)
-        history[...] = new_history
-        scale[...] = new_scale
+        if not (cpu_kernels.available() and cpu_kernels.delayed_update(
+                history, scale, mask, recipe.amax_compute_algo == "most_recent", recipe.scaled_max(fp8_max),
+                host.SCALE_MIN, host.FLT_MAX, recipe.power_2_scale)):
+            new_history, new_scale = host.compute_update(history, scale, recipe, fp8_max, mask)
+            history[...] = new_history
+            scale[...] = new_scale
         counts += takes_part
 
 

@@ -31,7 +31,7 @@ import torch
 from . import pool
 
 __all__ = ["available", "takes", "reason", "switched", "cast", "cast_amax", "absmax", "widen", "count4",
-           "count_nonzero"]
+           "count_nonzero", "delayed_update"]
 
 ENV = "FP8KIT_CPU_KERNELS"
 SOURCE = Path(__file__).with_name("fp8_cpu.c")
@@ -148,7 +148,7 @@ def _build() -> Path:
     raise RuntimeError(f"{compiler} failed: {errors}")
 
 
-ABI = 3  # fp8_cpu.c's fp8kit_abi(): the signatures declared below
+ABI = 4  # fp8_cpu.c's fp8kit_abi(): the signatures declared below
 
 
 def _declare(lib):
@@ -170,6 +170,9 @@ def _declare(lib):
     for width in ("16", "32"):
         getattr(lib, f"fp8kit_nonzero_{width}").argtypes = [_P, _N]
         getattr(lib, f"fp8kit_nonzero_{width}").restype = ctypes.c_uint64
+    lib.fp8kit_delayed_update.argtypes = [_P, _N, _N, _N, _P, _P, ctypes.c_int, ctypes.c_double, ctypes.c_double,
+                                          ctypes.c_double, ctypes.c_int]
+    lib.fp8kit_delayed_update.restype = ctypes.c_int
     return lib
 
 
@@ -331,3 +334,24 @@ def count_nonzero(x: torch.Tensor) -> int:
     fn = getattr(_state["lib"], f"fp8kit_nonzero_{8 * x.element_size()}")
     return sum(_run([lambda start=start, count=count: fn(_ptr(x, start), count)
                      for start, count in _chunks(x.numel())]))
+
+
+def delayed_update(history, scale, recompute, most_recent: bool, scaled_max: float, scale_min: float,
+                   scale_max: float, power_2: bool) -> bool:
+    """Delayed scaling's update of float32 NumPy arrays in place, in one pass over the history (fp8_cpu.c's
+    `fp8kit_delayed_update`, the rule of `host.compute_update`): `history` [rows, cols] with unit column stride,
+    `scale` [cols] contiguous, `recompute` None or a contiguous bool [cols]. False (nothing written) where the kernel
+    refuses (subnormals flushed, no memory) or the arrays are laid out otherwise: use NumPy then."""
+    import numpy as np
+
+    if history.dtype != np.float32 or scale.dtype != np.float32 or history.ndim != 2 \
+            or history.strides[1] != 4 or history.strides[0] % 4 or not scale.flags.c_contiguous \
+            or scale.shape != history.shape[1:] \
+            or (recompute is not None and (recompute.dtype != np.bool_ or not recompute.flags.c_contiguous
+                                           or recompute.shape != scale.shape)):
+        return False
+    rows, cols = history.shape
+    return _state["lib"].fp8kit_delayed_update(
+        history.ctypes.data, rows, cols, history.strides[0] // 4, scale.ctypes.data,
+        None if recompute is None else recompute.ctypes.data, int(most_recent), scaled_max, scale_min, scale_max,
+        int(power_2)) == 0

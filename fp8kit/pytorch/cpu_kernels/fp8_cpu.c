@@ -16,11 +16,12 @@
  */
 #include <stddef.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The interface version: fp8kit/pytorch/cpu_kernels/__init__.py declares the functions for this one and refuses a
  * library of another (a signature read wrongly would write through garbage pointers). */
-int fp8kit_abi(void) { return 3; }
+int fp8kit_abi(void) { return 4; }
 
 static inline uint32_t bits_of(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
 static inline float float_of(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
@@ -221,3 +222,67 @@ DEFINE_COUNT4(fp8kit_count4_u16, uint16_t)
 
 DEFINE_NONZERO(fp8kit_nonzero_16, uint16_t, 0x7FFFu)
 DEFINE_NONZERO(fp8kit_nonzero_32, uint32_t, 0x7FFFFFFFu)
+
+/* Delayed scaling's update of a flat block's used columns on the host path, in place, in one pass over the history
+ * (the NumPy sequence it replaces makes five): `h` is the history [rows, cols] with row stride `ld` (row 0 the
+ * staging row of this step), `scale` [cols]. A column is used when its staging value is not 0 (NaN counts, -0 does
+ * not). Its amax is the staging value ("most_recent") or the NaN-ignoring maximum of the whole column (an all-NaN
+ * column gives -inf here and NaN in NumPy: neither is > 0, so the scale stays either way). Where the column is used,
+ * the amax is finite and > 0 and `recompute` (or NULL) allows it, the scale becomes float32(clamp(scaled_max / amax,
+ * scale_min, scale_max)) computed in double (power_2: its mantissa cleared); used columns roll: row 0 becomes 0, rows
+ * 1 .. rows-2 take rows 2 .., the last row takes the staging value. Unused columns are left as they are.
+ * Returns 0, or -1 (nothing written) where subnormals are flushed or memory is short: the caller uses NumPy then. */
+int fp8kit_delayed_update(float *restrict h, size_t rows, size_t cols, size_t ld, float *restrict scale,
+                          const uint8_t *restrict recompute, int most_recent, double scaled_max, double scale_min,
+                          double scale_max, int power_2) {
+    if (denormals_flushed())
+        return -1;
+    if (rows == 0 || cols == 0)
+        return 0;
+    float *staging = malloc(2 * cols * sizeof(float));
+    uint32_t *used = malloc(cols * sizeof(uint32_t));
+    if (!staging || !used) {
+        free(staging);
+        free(used);
+        return -1;
+    }
+    float *amax = staging + cols;
+    for (size_t c = 0; c < cols; c++) {
+        float v = h[c];
+        staging[c] = v;
+        used[c] = mask_of(v != 0.0f);
+        amax[c] = most_recent ? v : -__builtin_inff();
+    }
+    for (size_t r = 0; r < rows; r++) {
+        const float *row = h + r * ld;
+        if (!most_recent)
+            for (size_t c = 0; c < cols; c++)
+                amax[c] = row[c] > amax[c] ? row[c] : amax[c];  /* NaN compares false: skipped */
+        if (r >= 2) {
+            uint32_t *dst = (uint32_t *)(h + (r - 1) * ld);
+            const uint32_t *src = (const uint32_t *)row;
+            for (size_t c = 0; c < cols; c++)
+                dst[c] = select(used[c], src[c], dst[c]);
+        }
+    }
+    if (rows >= 2) {
+        uint32_t *last = (uint32_t *)(h + (rows - 1) * ld);
+        for (size_t c = 0; c < cols; c++)
+            last[c] = select(used[c], bits_of(staging[c]), last[c]);
+    }
+    uint32_t *first = (uint32_t *)h;
+    for (size_t c = 0; c < cols; c++)
+        first[c] = select(used[c], 0u, first[c]);
+    for (size_t c = 0; c < cols; c++) {
+        float a = amax[c];
+        if (used[c] && a > 0.0f && a < __builtin_inff() && (!recompute || recompute[c])) {
+            double q = scaled_max / (double)a;
+            q = q < scale_min ? scale_min : (q > scale_max ? scale_max : q);
+            float f = (float)q;
+            scale[c] = power_2 ? float_of(bits_of(f) & 0x7F800000u) : f;
+        }
+    }
+    free(staging);
+    free(used);
+    return 0;
+}
