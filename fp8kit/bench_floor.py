@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from fp8kit.pytorch.block_cast import positive_nan_
 from fp8kit.pytorch.tensor.storage import WIDEN_BY_TABLE_MIN_NUMEL
 from fp8kit.recipe import FLT_MAX, SCALE_MIN, f32
 
@@ -45,9 +46,7 @@ def _cast(x: torch.Tensor, fp8_dtype: torch.dtype, c: torch.Tensor):
     scale.clamp_(SCALE_MIN, FLT_MAX)
     scale.nan_to_num_(nan=1.0)
     y = torch.mul(x, scale)
-    y.clamp_(-_MAX[fp8_dtype], _MAX[fp8_dtype])
-    if y.device.type == "cpu":  # NaN made positive, as a GPU's multiply does (block_cast.positive_nan_)
-        torch.nan_to_num_(y, nan=math.nan, posinf=math.inf, neginf=-math.inf)
+    positive_nan_(y.clamp_(-_MAX[fp8_dtype], _MAX[fp8_dtype]))  # on a CPU: NaN made positive, as on a GPU
     q = y.to(fp8_dtype)
     return q.view(torch.uint8), q, torch.reciprocal(scale)
 

@@ -154,6 +154,9 @@ def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int 
     device = torch.device(device)
     if kernels_off_rows is None:
         kernels_off_rows = device.type == "cuda"
+    extra = {"no kernels": lambda: kernels.enabled_as(False)} if kernels_off_rows else {}  # Linear's extra rows
+    if device.type == "cpu":
+        extra["host path"] = host.host_path
     for kind in kinds:
         if log:
             log(f"overhead: {kind}")
@@ -164,9 +167,6 @@ def bench_modules(kinds=KINDS, modules: int = 24, tokens: int = 16, hidden: int 
         for name, recipe_cls in RECIPES.items():
             stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)]).to(device)
             steps[f"fp8kit {name}"] = _step(stack, x, recipe_cls())
-            extra = {"no kernels": lambda: kernels.enabled_as(False)} if kernels_off_rows else {}
-            if device.type == "cpu":
-                extra["host path"] = host.host_path
             for label, scope in (extra.items() if kind == "Linear" else ()):
                 stack = torch.nn.Sequential(*[_te_module(kind, hidden, heads) for _ in range(modules)]).to(device)
                 steps[f"{name}, {label}"] = _within(scope, _step(stack, x, recipe_cls()))

@@ -26,6 +26,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Tuple
 
+import numpy as np
 import torch
 
 from . import pool
@@ -342,8 +343,6 @@ def delayed_update(history, scale, recompute, most_recent: bool, scaled_max: flo
     `fp8kit_delayed_update`, the rule of `host.compute_update`): `history` [rows, cols] with unit column stride,
     `scale` [cols] contiguous, `recompute` None or a contiguous bool [cols]. False (nothing written) where the kernel
     refuses (subnormals flushed, no memory) or the arrays are laid out otherwise: use NumPy then."""
-    import numpy as np
-
     if history.dtype != np.float32 or scale.dtype != np.float32 or history.ndim != 2 \
             or history.strides[1] != 4 or history.strides[0] % 4 or not scale.flags.c_contiguous \
             or scale.shape != history.shape[1:] \

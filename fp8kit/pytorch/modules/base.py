@@ -118,6 +118,13 @@ class FP8Call:
             self.record.weights[gemm] = weight
 
 
+def _any_requires_grad(tensors: Iterable[Optional[torch.Tensor]]) -> bool:
+    for t in tensors:  # a loop, not any(<generator>): this runs every call
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
 class FP8StateMixin:
     """Mixed into torch.nn.Module subclasses that hold `num_gemms` FP8 GEMMs.
 
@@ -195,16 +202,7 @@ class FP8StateMixin:
         if compiling() or frame.graph:
             return self._compiled_call(frame, (*tensors, *more), device)
         grad = torch.is_grad_enabled()
-        needs_backward = False
-        for t in tensors:  # a loop, not any(<generator>): this runs every call
-            if t is not None and t.requires_grad:
-                needs_backward = True
-                break
-        else:
-            for t in more:
-                if t is not None and t.requires_grad:
-                    needs_backward = True
-                    break
+        needs_backward = _any_requires_grad(tensors) or _any_requires_grad(more)
         # the original forward of a reentrant checkpoint runs under no_grad, but its recompute has a backward
         will_recompute = not grad and needs_backward and in_reentrant_checkpoint()
         counted = frame.records_amax and needs_backward and (grad or will_recompute)
